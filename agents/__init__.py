@@ -1,0 +1,1 @@
+"""autoprec.agents (see DESIGN.md)."""

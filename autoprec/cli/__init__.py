@@ -1,0 +1,40 @@
+"""The ``autoprec`` command line.
+
+Each subcommand is a thin module in this package: parse the options, call the library, print.
+User mistakes (``ValueError``, which autoprec's own errors subclass) become one line on stderr
+and exit status 2; a traceback is a bug.
+"""
+
+from __future__ import annotations
+
+import click
+
+from autoprec import __version__
+from autoprec.cli.formats import formats
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="autoprec")
+def cli() -> None:
+    """autoprec: find the best numeric precision for every layer of a model's training."""
+
+
+cli.add_command(formats)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the exit status."""
+    try:
+        cli.main(args=argv, prog_name="autoprec", standalone_mode=False)
+    except click.exceptions.Exit as done:
+        return done.exit_code
+    except click.ClickException as err:
+        err.show()
+        return err.exit_code
+    except click.exceptions.Abort:
+        click.echo("autoprec: aborted", err=True)
+        return 130
+    except ValueError as err:
+        click.echo(f"autoprec: error: {err}", err=True)
+        return 2
+    return 0

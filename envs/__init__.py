@@ -1,0 +1,1 @@
+"""autoprec.envs (see DESIGN.md)."""
