@@ -218,3 +218,12 @@ def test_monotonic(name, saturate, values):
     x = torch.tensor(sorted(values), dtype=torch.float32)
     q = quantize(x, name, saturate=saturate)
     assert torch.all(q[1:] >= q[:-1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", TORCH_FORMATS)
+def test_cuda_is_bit_exact_with_cuda_cast(name):
+    x = sample(name, n_sweep=1_000_000, n_bits=250_000).cuda()
+    want = x.to(get_format(name).torch_dtype).float()
+    for backend in ("eager", "compiled"):
+        assert_same_bits(quantize(x, name, backend=backend).cpu(), want.cpu(), x.cpu())
