@@ -1,0 +1,306 @@
+"""Policy files: YAML (``.yaml``/``.yml``) or JSON (``.json``), versioned, validated on load.
+
+```yaml
+autoprec_policy: 1
+model: {name: resnet50, fingerprint: "sha256:...", tunable_layers: 54}
+target: {device: h100-sxm, mode: native}
+default: bf16
+layers:
+  conv1: fp32
+  "re:.*downsample.*": bf16
+loss_scaling: {kind: dynamic, init_scale: 32768.0, growth_interval: 2000, ...}
+metrics: {accuracy_delta: -0.002, speedup: 2.1}
+provenance: {agent: ppo, created: "..."}
+```
+
+Only ``autoprec_policy`` and ``default`` are required. Every defect raises :class:`PolicyError`
+naming the file, the line where the parser knows it, and the field.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from autoprec.policy import (
+    PATTERN_PREFIX,
+    SCHEMA_VERSIONS,
+    Field,
+    PolicyError,
+    PrecisionPolicy,
+    _kind,
+    _unknown_key,
+)
+from autoprec.precision import PRECISION_NAMES
+
+YAML_SUFFIXES = (".yaml", ".yml")
+JSON_SUFFIXES = (".json",)
+TOP_LEVEL_KEYS = (
+    "autoprec_policy",
+    "model",
+    "target",
+    "default",
+    "layers",
+    "loss_scaling",
+    "metrics",
+    "provenance",
+)
+_REQUIRED_HINT = "a policy needs at least 'autoprec_policy: 1' and 'default: <precision>'"
+
+
+class _Flow(dict):
+    """A mapping written on one line (``{a: 1, b: 2}``)."""
+
+
+class _Quoted(str):
+    """A string written in double quotes (used for ``re:`` patterns, to set them apart)."""
+
+
+class _Dumper(yaml.SafeDumper):
+    pass
+
+
+_Dumper.add_representer(
+    _Flow, lambda d, data: d.represent_mapping("tag:yaml.org,2002:map", data, flow_style=True)
+)
+_Dumper.add_representer(
+    _Quoted, lambda d, data: d.represent_scalar("tag:yaml.org,2002:str", data, style='"')
+)
+
+
+def format_policy(policy: PrecisionPolicy, fmt: str = "yaml") -> str:
+    """The text of a policy file, ``fmt`` being ``"yaml"`` or ``"json"``."""
+    data = policy.to_dict()
+    if fmt == "json":
+        return json.dumps(data, indent=2, allow_nan=False) + "\n"
+    if fmt != "yaml":
+        raise ValueError(f"unknown policy format {fmt!r}; expected 'yaml' or 'json'")
+    for key, value in data.items():
+        if key == "layers":
+            data[key] = {
+                _Quoted(k) if k.startswith(PATTERN_PREFIX) else k: v for k, v in value.items()
+            }
+        elif isinstance(value, dict):
+            data[key] = _Flow(value)
+    return yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=1 << 16)
+
+
+def save_policy(policy: PrecisionPolicy, path: str | os.PathLike[str]) -> Path:
+    """Write ``policy`` to ``path`` atomically, as YAML or JSON by the suffix.
+
+    The file is written to a temporary file in the same folder, synced, then renamed over
+    ``path``: a crash leaves either the old file or the new one, never half of one.
+
+    Returns:
+        ``path`` as a Path.
+
+    Raises:
+        PolicyError: the suffix is neither ``.yaml``, ``.yml`` nor ``.json``.
+    """
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix in YAML_SUFFIXES:
+        text = format_policy(policy, "yaml")
+    elif suffix in JSON_SUFFIXES:
+        text = format_policy(policy, "json")
+    else:
+        raise PolicyError(
+            f"{path}: unknown policy file suffix {path.suffix!r}; use .yaml, .yml or .json"
+        )
+    _atomic_write(path, text)
+    return path
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    umask = os.umask(0)
+    os.umask(umask)
+    mode = path.stat().st_mode & 0o777 if path.exists() else 0o666 & ~umask
+    tmp = tempfile.NamedTemporaryFile(
+        "w", encoding="utf-8", dir=path.parent, prefix=f".{path.name}.", suffix=".tmp", delete=False
+    )
+    try:
+        with tmp:
+            tmp.write(text)
+            tmp.flush()
+            os.fchmod(tmp.fileno(), mode)
+            os.fsync(tmp.fileno())
+        os.replace(tmp.name, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp.name)
+        raise
+    with contextlib.suppress(OSError):  # make the rename itself durable (POSIX)
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def load_policy(path: str | os.PathLike[str]) -> PrecisionPolicy:
+    """Read and validate a policy file (JSON for ``.json``, YAML otherwise).
+
+    Raises:
+        PolicyError: the file is missing, empty, malformed or holds an invalid policy; the
+            message starts with the path and, where known, ``line N``.
+    """
+    path = Path(path)
+    source = str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise PolicyError(
+            f"{source}: no such file; check the path (relative to {Path.cwd()})"
+        ) from None
+    except UnicodeDecodeError as exc:
+        raise PolicyError(f"{source}: not UTF-8 text ({exc.reason}); save it as UTF-8") from None
+    except OSError as exc:
+        raise PolicyError(f"{source}: cannot read the file: {exc.strerror or exc}") from None
+    if path.suffix.lower() in JSON_SUFFIXES:
+        data, line_of = _parse_json(text, source), None
+    else:
+        data, line_of = _parse_yaml(text, source)
+    if data is None:
+        raise PolicyError(f"{source}: the file is empty; {_REQUIRED_HINT}")
+    return policy_from_data(data, source, line_of)
+
+
+def _parse_json(text: str, source: str) -> Any:
+    if not text.strip():
+        return None
+
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in out:
+                raise PolicyError(f"{source}: duplicate key {key!r}; each key may appear once")
+            out[key] = value
+        return out
+
+    try:
+        return json.loads(text, object_pairs_hook=no_duplicates)
+    except json.JSONDecodeError as exc:
+        raise PolicyError(
+            f"{source}, line {exc.lineno}, column {exc.colno}: malformed JSON: {exc.msg}"
+        ) from None
+
+
+def _parse_yaml(text: str, source: str) -> tuple[Any, Callable[[Field], int | None] | None]:
+    loader = yaml.SafeLoader(text)
+    try:
+        root = loader.get_single_node()
+        if root is None:
+            return None, None
+        _check_duplicate_keys(root, source)
+        return loader.construct_document(root), _line_finder(root)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"{source}, line {mark.line + 1}, column {mark.column + 1}" if mark else source
+        context = f" ({exc.context})" if exc.context else ""
+        raise PolicyError(
+            f"{where}: malformed YAML: {exc.problem}{context}; check the indentation, quotes "
+            "and the ': ' after each key"
+        ) from None
+    except yaml.YAMLError as exc:
+        raise PolicyError(f"{source}: malformed YAML: {exc}") from None
+    finally:
+        loader.dispose()
+
+
+def _check_duplicate_keys(root: yaml.Node, source: str) -> None:
+    """PyYAML keeps the last of two equal keys silently; a repeated layer is a mistake."""
+    stack, seen_nodes = [root], set()
+    while stack:
+        node = stack.pop()
+        if id(node) in seen_nodes:
+            continue
+        seen_nodes.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            first: dict[tuple[str, str], int] = {}
+            for key, value in node.value:
+                if isinstance(key, yaml.ScalarNode):
+                    line = key.start_mark.line + 1
+                    if (key.tag, key.value) in first:
+                        raise PolicyError(
+                            f"{source}, line {line}: duplicate key {key.value!r} (first at line "
+                            f"{first[key.tag, key.value]}); each key may appear once"
+                        )
+                    first[key.tag, key.value] = line
+                stack.append(value)
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend(node.value)
+
+
+def _line_finder(root: yaml.Node) -> Callable[[Field], int | None]:
+    """Maps a field path such as ``("layers", "fc")`` to the line of its key (1-based)."""
+
+    def line_of(path: Field) -> int | None:
+        node, line = root, root.start_mark.line + 1
+        for part in path:
+            if not isinstance(node, yaml.MappingNode):
+                break
+            for key, value in node.value:
+                if isinstance(key, yaml.ScalarNode) and key.value == str(part):
+                    node, line = value, key.start_mark.line + 1
+                    break
+            else:
+                break
+        return line
+
+    return line_of
+
+
+def policy_from_data(
+    data: object, source: str, line_of: Callable[[Field], int | None] | None = None
+) -> PrecisionPolicy:
+    """Build a policy from parsed file data; errors start with ``source`` (and the line).
+
+    Args:
+        data: the parsed document.
+        source: the file path (or ``"<dict>"``) to name in errors.
+        line_of: maps a field path to its 1-based line in the file, or None.
+    """
+    try:
+        return _build(data)
+    except PolicyError as exc:
+        line = line_of(exc.field) if line_of and exc.field else None
+        where = f"{source}, line {line}" if line else source
+        raise PolicyError(f"{where}: {exc}", field=exc.field) from None
+
+
+def _build(data: object) -> PrecisionPolicy:
+    if not isinstance(data, Mapping):
+        raise PolicyError(
+            f"expected a mapping of policy fields at the top level; got {_kind(data)}; "
+            + _REQUIRED_HINT
+        )
+    for key in data:
+        if key not in TOP_LEVEL_KEYS:
+            raise _unknown_key(key, TOP_LEVEL_KEYS, "the policy (top level)", ())
+    versions = ", ".join(map(str, SCHEMA_VERSIONS))
+    if "autoprec_policy" not in data:
+        raise PolicyError(
+            "missing required key 'autoprec_policy' (the schema version); "
+            f"add 'autoprec_policy: {SCHEMA_VERSIONS[-1]}' as the first line"
+        )
+    version = data["autoprec_policy"]
+    if not isinstance(version, int) or isinstance(version, bool) or version not in SCHEMA_VERSIONS:
+        raise PolicyError(
+            f"unsupported autoprec_policy (schema version) {_kind(version)}; this autoprec "
+            f"reads version {versions}; upgrade autoprec or rewrite the file",
+            field=("autoprec_policy",),
+        )
+    if "default" not in data:
+        raise PolicyError(
+            f"missing required key 'default'; add e.g. 'default: fp32' (one of "
+            f"{', '.join(PRECISION_NAMES)})"
+        )
+    fields = {k: v for k, v in data.items() if k != "autoprec_policy"}
+    return PrecisionPolicy(**fields)
