@@ -10,7 +10,7 @@ This package imports nothing else of autoprec, so the runtime and user code can 
 
 from .autograd import Caster, fake_quantize
 from .formats import FORMATS, Format, format_names, get_format
-from .quantize import ROUNDING_MODES, quantize
+from .quantize import ROUNDING_MODES, quantize, quantize_with_counts
 from .scaling import AMAX_RULES, ScaledCast, ScaledTensor
 
 __all__ = [
@@ -25,4 +25,5 @@ __all__ = [
     "format_names",
     "get_format",
     "quantize",
+    "quantize_with_counts",
 ]

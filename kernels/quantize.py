@@ -32,7 +32,7 @@ from torch import Tensor
 
 from .formats import Format, get_format
 
-__all__ = ["quantize", "ROUNDING_MODES"]
+__all__ = ["quantize", "quantize_with_counts", "ROUNDING_MODES"]
 
 ROUNDING_MODES = ("nearest", "stochastic")
 
@@ -115,33 +115,50 @@ def _kernel_constants(fmt: Format) -> dict:
     }
 
 
-_eager_kernels: dict[tuple, Callable[[Tensor, Tensor | None], Tensor]] = {}
-_compiled_kernels: dict[tuple, Callable[[Tensor, Tensor | None], Tensor]] = {}
+_eager_kernels: dict[tuple, Callable] = {}
+_compiled_kernels: dict[tuple, Callable] = {}
 _compile_broken = False
 
 
-def _eager_kernel(fmt: Format, saturate: bool) -> Callable[[Tensor, Tensor | None], Tensor]:
-    key = (fmt, saturate)
+def _count(x: Tensor, rounded: Tensor, max_finite: float) -> tuple[Tensor, Tensor]:
+    """Overflows (a non-finite result, or a value beyond the format's range that was clamped)
+    and underflows (a non-zero value that became zero)."""
+    overflows = (~torch.isfinite(rounded) | (x.abs() > max_finite)).sum()
+    underflows = ((rounded == 0) & (x != 0)).sum()
+    return overflows, underflows
+
+
+def _eager_kernel(fmt: Format, saturate: bool, count: bool = False) -> Callable:
+    key = (fmt, saturate, count)
     if key not in _eager_kernels:
         constants = _kernel_constants(fmt)
+        max_finite = fmt.max_finite
 
-        def kernel(x: Tensor, rnd: Tensor | None) -> Tensor:
-            return _round_bits(x, rnd, saturate=saturate, **constants)
+        if count:
+
+            def kernel(x: Tensor, rnd: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+                rounded = _round_bits(x, rnd, saturate=saturate, **constants)
+                return (rounded, *_count(x, rounded, max_finite))
+
+        else:
+
+            def kernel(x: Tensor, rnd: Tensor | None) -> Tensor:
+                return _round_bits(x, rnd, saturate=saturate, **constants)
 
         _eager_kernels[key] = kernel
     return _eager_kernels[key]
 
 
 def _compiled_kernel(
-    fmt: Format, saturate: bool, stochastic: bool
-) -> Callable[[Tensor, Tensor | None], Tensor]:
-    key = (fmt, saturate, stochastic)
+    fmt: Format, saturate: bool, stochastic: bool, count: bool = False
+) -> Callable:
+    key = (fmt, saturate, stochastic, count)
     if key not in _compiled_kernels:
-        eager = _eager_kernel(fmt, saturate)
+        eager = _eager_kernel(fmt, saturate, count)
         # Dynamo keeps its cache on the code object. Every variant gets a code object of its own
         # so that the format constants stay compile-time constants (fusing into one loop)
         # instead of being turned into symbolic inputs once a second variant shows up.
-        name = f"quantize_{fmt.name}_{'sat' if saturate else 'nosat'}_{int(stochastic)}"
+        name = f"quantize_{fmt.name}_{int(saturate)}{int(stochastic)}{int(count)}"
         code = eager.__code__.replace(co_name=name)
         variant = types.FunctionType(code, eager.__globals__, name, None, eager.__closure__)
         _compiled_kernels[key] = torch.compile(variant, dynamic=False)
@@ -155,6 +172,16 @@ def _use_compiled(x: Tensor) -> bool:
     if setting == "0":
         return False
     return setting == "1" or x.numel() >= _COMPILE_MIN_NUMEL
+
+
+def _compiled_for(x: Tensor, backend: str) -> bool:
+    # Sizes 0 and 1 are always specialised by dynamo; they take the eager path.
+    return x.numel() > 1 and (backend == "compiled" or (backend == "auto" and _use_compiled(x)))
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in ("auto", "eager", "compiled"):
+        raise ValueError(f"unknown backend {backend!r}; expected auto, eager or compiled")
 
 
 def _check_input(x: Tensor) -> None:
@@ -213,8 +240,7 @@ def quantize(
         raise ValueError(
             f"unknown rounding {rounding!r}; expected one of {', '.join(ROUNDING_MODES)}"
         )
-    if backend not in ("auto", "eager", "compiled"):
-        raise ValueError(f"unknown backend {backend!r}; expected auto, eager or compiled")
+    _check_backend(backend)
     x32 = x.float()
     if fmt.mantissa_bits == 23 and fmt.same_range_as_fp32:  # fp32: already on the grid
         return x32.clone() if x32 is x else x32
@@ -229,18 +255,14 @@ def quantize(
             device=x32.device,
             dtype=torch.int32,
         )
-    # Sizes 0 and 1 are always specialised by dynamo; they take the eager path.
-    compiled = x32.numel() > 1 and (
-        backend == "compiled" or (backend == "auto" and _use_compiled(x32))
-    )
-    if compiled:
+    if _compiled_for(x32, backend):
         return _run_compiled(x32, rnd, fmt, saturate, strict=backend == "compiled")
     return _eager_kernel(fmt, saturate)(x32, rnd)
 
 
 def _run_compiled(
-    x: Tensor, rnd: Tensor | None, fmt: Format, saturate: bool, strict: bool
-) -> Tensor:
+    x: Tensor, rnd: Tensor | None, fmt: Format, saturate: bool, strict: bool, count: bool = False
+):
     global _compile_broken
     # One graph per variant for every size: flatten, and mark the length dynamic so that a new
     # shape does not recompile (the constants stay static, see _compiled_kernel).
@@ -250,7 +272,7 @@ def _run_compiled(
     if flat_rnd is not None:
         torch._dynamo.mark_dynamic(flat_rnd, 0)
     try:
-        return _compiled_kernel(fmt, saturate, rnd is not None)(flat, flat_rnd).view(x.shape)
+        out = _compiled_kernel(fmt, saturate, rnd is not None, count)(flat, flat_rnd)
     except Exception as err:  # no C++ compiler, unsupported platform, ...
         if strict:
             raise
@@ -261,4 +283,31 @@ def _run_compiled(
             RuntimeWarning,
             stacklevel=3,
         )
-        return _eager_kernel(fmt, saturate)(x, rnd)
+        return _eager_kernel(fmt, saturate, count)(x, rnd)
+    if count:
+        return (out[0].view(x.shape), out[1], out[2])
+    return out.view(x.shape)
+
+
+def quantize_with_counts(
+    x: Tensor, fmt: str | Format, saturate: bool = False, *, backend: str = "auto"
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Round to nearest like :func:`quantize`, and count what the rounding lost on the way.
+
+    Returns:
+        ``(rounded, overflows, underflows)``: the float32 result and two 0-dim int64 tensors on
+        ``x``'s device: overflows are values whose result is not finite or that lay beyond the
+        format's largest finite value (turned into inf or clamped); underflows are non-zero
+        values that became zero. Counting fuses into the compiled kernel, so it costs little,
+        and nothing is read back to the host.
+    """
+    _check_input(x)
+    fmt = get_format(fmt)
+    _check_backend(backend)
+    x32 = x.float()
+    if fmt.mantissa_bits == 23 and fmt.same_range_as_fp32:
+        zero = torch.zeros((), dtype=torch.int64, device=x32.device)
+        return x32.clone() if x32 is x else x32, (~torch.isfinite(x32)).sum(), zero
+    if _compiled_for(x32, backend):
+        return _run_compiled(x32, None, fmt, saturate, strict=backend == "compiled", count=True)
+    return _eager_kernel(fmt, saturate, count=True)(x32, None)

@@ -17,7 +17,7 @@ from kernel_helpers import (
     reference_quantize,
 )
 
-from autoprec.kernels import get_format, quantize
+from autoprec.kernels import get_format, quantize, quantize_with_counts
 from autoprec.kernels.quantize import _use_compiled
 
 
@@ -227,3 +227,19 @@ def test_cuda_is_bit_exact_with_cuda_cast(name):
     want = x.to(get_format(name).torch_dtype).float()
     for backend in ("eager", "compiled"):
         assert_same_bits(quantize(x, name, backend=backend).cpu(), want.cpu(), x.cpu())
+
+
+@pytest.mark.parametrize("name", LOW_FORMATS)
+@pytest.mark.parametrize("saturate", [False, True])
+def test_quantize_with_counts(name, saturate, backend):
+    fmt = get_format(name)
+    x = sample(name, n_sweep=100_000, n_bits=20_000)
+    rounded, overflows, underflows = quantize_with_counts(x, name, saturate, backend=backend)
+    assert_same_bits(rounded, quantize(x, name, saturate=saturate), x)
+    want_over = (~torch.isfinite(rounded) | (x.abs() > fmt.max_finite)).sum()
+    want_under = ((rounded == 0) & (x != 0)).sum()
+    assert overflows.item() == want_over.item() > 0
+    assert underflows.item() == want_under.item() > 0
+    tiny = torch.tensor([fmt.min_subnormal / 4, -fmt.min_subnormal / 4, 0.0, 1.0])
+    _, over, under = quantize_with_counts(tiny, name, saturate, backend=backend)
+    assert (over.item(), under.item()) == (0, 2)
