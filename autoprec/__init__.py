@@ -19,12 +19,25 @@ __version__ = "0.1.0"
 # public name -> module that defines it
 _EXPORTS = {
     "Format": "autoprec.kernels",
+    "GuardConfig": "autoprec.runtime",
+    "LayerStats": "autoprec.runtime",
+    "LossScaler": "autoprec.runtime",
+    "PolicyHandle": "autoprec.runtime",
+    "LossScalingConfig": "autoprec.policy",
+    "PolicyError": "autoprec.policy",
+    "PolicyReport": "autoprec.policy",
+    "Precision": "autoprec.precision",
+    "PrecisionPolicy": "autoprec.policy",
     "ScaledCast": "autoprec.kernels",
     "ScaledTensor": "autoprec.kernels",
+    "apply_policy": "autoprec.runtime",
     "fake_quantize": "autoprec.kernels",
     "format_names": "autoprec.kernels",
     "get_format": "autoprec.kernels",
+    "load_policy": "autoprec.policy_io",
+    "model_fingerprint": "autoprec.layers",
     "quantize": "autoprec.kernels",
+    "save_policy": "autoprec.policy_io",
 }
 
 __all__ = ["__version__", *_EXPORTS]
@@ -38,6 +51,22 @@ if TYPE_CHECKING:  # pragma: no cover
         format_names,
         get_format,
         quantize,
+    )
+    from autoprec.layers import model_fingerprint  # noqa: F401
+    from autoprec.policy import (  # noqa: F401
+        LossScalingConfig,
+        PolicyError,
+        PolicyReport,
+        PrecisionPolicy,
+    )
+    from autoprec.policy_io import load_policy, save_policy  # noqa: F401
+    from autoprec.precision import Precision  # noqa: F401
+    from autoprec.runtime import (  # noqa: F401
+        GuardConfig,
+        LayerStats,
+        LossScaler,
+        PolicyHandle,
+        apply_policy,
     )
 
 

@@ -1,0 +1,28 @@
+"""The mixed-precision runtime: apply a per-layer precision policy to any ``nn.Module``.
+
+- :mod:`.apply`: ``apply_policy`` (emulate and native modes), the handle, the overflow guard.
+- :mod:`.casting`: per-layer casting state in emulate mode.
+- :mod:`.loss_scaler`: ``LossScaler``, dynamic loss scaling with GradScaler's interface.
+"""
+
+from autoprec.runtime.apply import (
+    MODES,
+    GuardConfig,
+    LayerStats,
+    PolicyHandle,
+    RuntimeStateError,
+    apply_policy,
+)
+from autoprec.runtime.loss_scaler import LOSS_SCALER_KINDS, LossScaler, ScaleRecord
+
+__all__ = [
+    "LOSS_SCALER_KINDS",
+    "MODES",
+    "GuardConfig",
+    "LayerStats",
+    "LossScaler",
+    "PolicyHandle",
+    "RuntimeStateError",
+    "ScaleRecord",
+    "apply_policy",
+]
