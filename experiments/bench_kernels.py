@@ -11,17 +11,12 @@ median. Targets (issue 2): bf16, fp16 and tf32 at least 0.5x clone's speed, fp8 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import os
-import platform
 import random
 import statistics
-import sys
-import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
+from benchlib import provenance, timed, write_section
 
 from autoprec.kernels import quantize
 
@@ -36,7 +31,6 @@ class Args:
     )
     backends: list[str] = field(default_factory=lambda: ["auto", "eager"])
     write_docs: bool = False
-    docs: Path = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 
 
 TARGET = {"tf32": 0.5, "bf16": 0.5, "fp16": 0.5, "fp8_e4m3": 0.25, "fp8_e5m2": 0.25}
@@ -50,22 +44,6 @@ def parse() -> Args:
     p.add_argument("--write-docs", action="store_true")
     ns = p.parse_args()
     return Args(numel=ns.numel, repeats=ns.repeats, write_docs=ns.write_docs)
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def rows(backend: str, times: dict[str, list[float]], gbytes: float) -> list[str]:
@@ -125,11 +103,7 @@ def main() -> None:
                 times[key].append(timed(cases[key]))
         lines += rows(backend, times, gbytes)
     table = "\n".join(lines)
-    header = (
-        f"Command: `python experiments/bench_kernels.py --write-docs`  \n"
-        f"Date: {dt.date.today().isoformat()}  \n"
-        f"Machine: {cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__} "
-        f"({torch.get_num_threads()} threads), Python {platform.python_version()}  \n"
+    header = provenance("python experiments/bench_kernels.py --write-docs") + (
         f"Data: {args.numel:,} float32 values (randn x 100). Each backend is timed as one group "
         f"with its own clone() baseline, all cases side by side in a shuffled order per round; "
         f"median of {args.repeats} rounds after {args.warmup} warm-up rounds. GB/s counts bytes "
@@ -143,27 +117,7 @@ def main() -> None:
     print()
     print(table)
     if args.write_docs:
-        write_section(args.docs, "bench_kernels", f"## Rounding kernels\n\n{header}\n\n{table}\n")
-
-
-def write_section(path: Path, name: str, body: str) -> None:
-    """Replace (or append) the section between this script's markers in docs/benchmarks.md."""
-    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
-    text = (
-        path.read_text()
-        if path.exists()
-        else "# Benchmarks\n\nEvery table here is written by a script in experiments/.\n"
-    )
-    block = f"{start}\n{body}{end}"
-    if start in text and end in text:
-        before, rest = text.split(start, 1)
-        text = before + block + rest.split(end, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-    print(f"wrote {path}", file=sys.stderr)
+        write_section("bench_kernels", f"## Rounding kernels\n\n{header}\n\n{table}\n")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,116 @@
+"""Training-step time of the runtime against plain fp32 training (torchvision resnet18, CPU).
+
+Four copies of the same resnet18 (batch 32, 32x32 inputs, SGD) train side by side: plain fp32;
+under an all-fp32 policy (the cost of the hooks alone); emulated all-bf16; emulated all-fp8.
+Every round times one step of each, in a shuffled order, so the machine's noise hits all of
+them alike; the table reports medians and ratios to plain fp32's median.
+Targets (issue 3): all-fp32 policy at most 1.10x plain, emulated bf16 at most 1.6x plain.
+
+    python experiments/bench_runtime.py                 # print the table
+    python experiments/bench_runtime.py --write-docs    # also update docs/benchmarks.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import random
+import statistics
+from dataclasses import dataclass
+
+import torch
+import torchvision
+from benchlib import provenance, timed, write_section
+from torch import nn
+
+from autoprec.runtime import apply_policy
+
+
+@dataclass
+class Args:
+    batch: int = 32
+    image: int = 32
+    repeats: int = 15
+    warmup: int = 3
+    write_docs: bool = False
+
+
+TARGETS = {"policy all-fp32 (hooks only)": 1.10, "emulated all-bf16": 1.6}
+
+
+def parse() -> Args:
+    a = Args()
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=a.repeats)
+    p.add_argument("--write-docs", action="store_true")
+    ns = p.parse_args()
+    return Args(repeats=ns.repeats, write_docs=ns.write_docs)
+
+
+def make_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor):
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    return step
+
+
+def main() -> None:
+    args = parse()
+    torch.manual_seed(0)
+    base = torchvision.models.resnet18(weights=None, num_classes=10)
+    x = torch.randn(args.batch, 3, args.image, args.image)
+    y = torch.randint(0, 10, (args.batch,))
+    policies = {
+        "plain fp32": None,
+        "policy all-fp32 (hooks only)": "fp32",
+        "emulated all-bf16": "bf16",
+        "emulated all-fp8": "fp8",
+    }
+    steps, handles = {}, []
+    for name, policy in policies.items():
+        model = copy.deepcopy(base)
+        if policy is not None:
+            handles.append(apply_policy(model, policy, mode="emulate"))
+        steps[name] = make_step(model, x, y)
+    for _ in range(args.warmup):
+        for step in steps.values():
+            step()
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    order, keys = random.Random(0), list(steps)
+    for _ in range(args.repeats):
+        order.shuffle(keys)
+        for key in keys:
+            times[key].append(timed(steps[key]))
+
+    plain = statistics.median(times["plain fp32"])
+    lines = [
+        "| training step | median ms | vs plain fp32 | target | met |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for key, samples in times.items():
+        median = statistics.median(samples)
+        ratio = median / plain
+        target = TARGETS.get(key)
+        cells = (f"<= {target:.2f}x", "yes" if ratio <= target else "no") if target else ("-", "-")
+        lines.append(f"| {key} | {median * 1e3:.1f} | {ratio:.2f}x | {cells[0]} | {cells[1]} |")
+    n_layers = len(handles[0].layers)
+    header = provenance("python experiments/bench_runtime.py --write-docs") + (
+        f"Model: torchvision resnet18 (weights=None, 10 classes, {n_layers} tunable layers), "
+        f"batch {args.batch}, {args.image}x{args.image} inputs, SGD with momentum; forward, "
+        f"backward and optimizer step. Median of {args.repeats} rounds after {args.warmup} "
+        "warm-up rounds, the four cases side by side in a shuffled order each round. Emulation "
+        "rounds each layer's input, weight and output gradient (fp8: with per-tensor delayed "
+        "scaling) and counts overflows/underflows."
+    )
+    table = "\n".join(lines)
+    print(header, "", table, sep="\n")
+    if args.write_docs:
+        write_section("bench_runtime", f"## Runtime overhead\n\n{header}\n\n{table}\n")
+
+
+if __name__ == "__main__":
+    main()
