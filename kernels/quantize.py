@@ -266,7 +266,7 @@ def _run_compiled(
     global _compile_broken
     # One graph per variant for every size: flatten, and mark the length dynamic so that a new
     # shape does not recompile (the constants stay static, see _compiled_kernel).
-    flat = x.reshape(-1)
+    flat = x.detach().reshape(-1)  # rounding is not differentiable; one graph, no grad guard
     flat_rnd = None if rnd is None else rnd.reshape(-1)
     torch._dynamo.mark_dynamic(flat, 0)
     if flat_rnd is not None:
