@@ -1,0 +1,171 @@
+"""Image datasets read from disk: ``cifar10``, ``cifar100`` and ``imagefolder``.
+
+Nothing is downloaded unless the caller passes ``download=True``. Images are converted to the
+model's input shape with torchvision transforms: ``ToTensor``, ``Grayscale`` for one-channel
+models, ``Resize`` when the size differs, ``Normalize``, and a reshape for flat inputs.
+
+* ``cifar10`` / ``cifar100``: the official train split is ``train`` and the official test split
+  is ``val`` (``val_fraction`` is not used; ``max_samples`` caps the two together, split by
+  ``val_fraction`` with a seeded choice of examples).
+* ``imagefolder``: ``root/<class>/<image>`` as ``torchvision.datasets.ImageFolder`` reads it;
+  train and val are a seeded split of the whole folder.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset, Subset
+
+from autoprec.data._base import (
+    DataBundle,
+    DataRequest,
+    DatasetError,
+    ToModelShape,
+    check_num_classes,
+    image_geometry,
+    rng,
+    split_indices,
+)
+
+_CIFAR = {
+    # name: (torchvision class, folder, classes, label, mean, std)
+    "cifar10": (
+        "CIFAR10",
+        "cifar-10-batches-py",
+        10,
+        "CIFAR-10",
+        (0.4914, 0.4822, 0.4465),
+        (0.2470, 0.2435, 0.2616),
+    ),
+    "cifar100": (
+        "CIFAR100",
+        "cifar-100-python",
+        100,
+        "CIFAR-100",
+        (0.5071, 0.4865, 0.4409),
+        (0.2673, 0.2564, 0.2762),
+    ),
+}
+_IMAGENET_MEAN, _IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+def _check_image_task(req: DataRequest) -> None:
+    if req.task not in (None, "image-classification"):
+        raise DatasetError(
+            f"{req.name} is an image-classification dataset; the model's task is {req.task!r}"
+        )
+
+
+def _transform(
+    req: DataRequest, size: tuple[int, int], mean: tuple[float, ...], std: tuple[float, ...]
+) -> Any:
+    """ToTensor, channel conversion, resize, normalise and reshape to ``req.input_shape``."""
+    from torchvision import transforms
+
+    channels, height, width = image_geometry(req.name, req.input_shape)
+    if channels not in (1, 3):
+        raise DatasetError(
+            f"{req.name}: images have 1 or 3 channels; the model wants {channels} "
+            f"(input_shape {req.input_shape!r})"
+        )
+    steps: list[Any] = []
+    if channels == 1:
+        steps.append(transforms.Grayscale(1))
+        mean, std = (sum(mean) / 3,), (sum(std) / 3,)
+    steps.append(transforms.ToTensor())
+    if (height, width) != size:
+        steps.append(transforms.Resize((height, width), antialias=True))
+    steps.append(transforms.Normalize(mean, std))
+    if len(req.input_shape) != 3:
+        steps.append(ToModelShape(req.input_shape))
+    return transforms.Compose(steps)
+
+
+def _cap(train: Dataset, val: Dataset, req: DataRequest) -> tuple[Dataset, Dataset]:
+    """Seeded subsets of the official splits holding ``max_samples`` examples together."""
+    if req.max_samples is None:
+        return train, val
+    n_val = max(1, round(req.max_samples * req.val_fraction))
+    n_train = max(1, req.max_samples - n_val)
+    gen = rng(req.seed, "cap")
+    pick_train = torch.randperm(len(train), generator=gen)[:n_train]  # type: ignore[arg-type]
+    pick_val = torch.randperm(len(val), generator=gen)[:n_val]  # type: ignore[arg-type]
+    return Subset(train, pick_train.tolist()), Subset(val, pick_val.tolist())
+
+
+def load_cifar_bundle(req: DataRequest) -> DataBundle:
+    """CIFAR-10 or CIFAR-100 from ``req.root``; downloads only when ``req.download``."""
+    import torchvision.datasets
+
+    _check_image_task(req)
+    cls_name, folder, classes, label, mean, std = _CIFAR[req.name]
+    hint = "pass --data-dir pointing at it, or --download to fetch it"
+    if req.root is None:
+        raise DatasetError(
+            f"{req.name}: no data directory given (expected a folder holding {folder}/); {hint}"
+        )
+    root = req.root.expanduser()
+    if not req.download and not (root / folder).is_dir():
+        raise DatasetError(
+            f"{req.name}: no {label} data under '{root}' (expected {folder}/); {hint}"
+        )
+    num_classes = check_num_classes(req.name, classes, req.num_classes)
+    transform = _transform(req, (32, 32), mean, std)
+    cls = getattr(torchvision.datasets, cls_name)
+    try:
+        train = cls(str(root), train=True, transform=transform, download=req.download)
+        val = cls(str(root), train=False, transform=transform, download=False)
+    except RuntimeError as err:  # torchvision: "Dataset not found or corrupted"
+        raise DatasetError(
+            f"{req.name}: {label} data under '{root / folder}' is incomplete or corrupted "
+            f"({err}); {hint}"
+        ) from err
+    train, val = _cap(train, val, req)
+    return DataBundle(
+        name=req.name,
+        train=train,
+        val=val,
+        num_classes=num_classes,
+        input_shape=req.input_shape,
+        task="image-classification",
+        key="",
+    )
+
+
+def load_imagefolder_bundle(req: DataRequest) -> DataBundle:
+    """``root/<class>/<image>`` images with a seeded train/val split."""
+    from torchvision.datasets import ImageFolder
+
+    _check_image_task(req)
+    hint = "pass --data-dir pointing at a folder with one subfolder of images per class"
+    if req.root is None:
+        raise DatasetError(f"imagefolder: no data directory given; {hint}")
+    root = Path(req.root).expanduser()
+    if not root.is_dir():
+        raise DatasetError(f"imagefolder: no folder '{root}'; {hint}")
+    channels = image_geometry(req.name, req.input_shape)[0]
+    mean, std = (_IMAGENET_MEAN, _IMAGENET_STD) if channels == 3 else ((0.5,) * 3, (0.5,) * 3)
+    # size=(0, 0) forces a Resize: folder images may differ in size
+    transform = _transform(req, (0, 0), mean, std)
+    try:
+        dataset = ImageFolder(str(root), transform=transform)
+    except FileNotFoundError as err:  # no class folders, or no images in them
+        raise DatasetError(
+            f"imagefolder: no class subfolders with images in '{root}'; {hint}"
+        ) from err
+    num_classes = check_num_classes("imagefolder", len(dataset.classes), req.num_classes)
+    train_idx, val_idx = split_indices(
+        len(dataset), seed=req.seed, val_fraction=req.val_fraction, max_samples=req.max_samples
+    )
+    return DataBundle(
+        name="imagefolder",
+        train=Subset(dataset, train_idx.tolist()),
+        val=Subset(dataset, val_idx.tolist()),
+        num_classes=num_classes,
+        input_shape=req.input_shape,
+        task="image-classification",
+        key="",
+    )
