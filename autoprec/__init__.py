@@ -18,31 +18,57 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it
 _EXPORTS = {
+    "analyze": "autoprec.graph",
+    "apply_policy": "autoprec.runtime",
+    "DataBundle": "autoprec.data",
+    "DeviceSpec": "autoprec.hardware",
+    "fake_quantize": "autoprec.kernels",
     "Format": "autoprec.kernels",
+    "format_names": "autoprec.kernels",
+    "get_device": "autoprec.hardware",
+    "get_format": "autoprec.kernels",
     "GuardConfig": "autoprec.runtime",
     "LayerStats": "autoprec.runtime",
+    "LayerTable": "autoprec.graph",
+    "list_devices": "autoprec.hardware",
+    "load_dataset": "autoprec.data",
+    "load_model": "autoprec.models",
+    "load_policy": "autoprec.policy_io",
     "LossScaler": "autoprec.runtime",
-    "PolicyHandle": "autoprec.runtime",
     "LossScalingConfig": "autoprec.policy",
+    "model_fingerprint": "autoprec.layers",
+    "ModelSpec": "autoprec.models",
     "PolicyError": "autoprec.policy",
+    "PolicyHandle": "autoprec.runtime",
     "PolicyReport": "autoprec.policy",
     "Precision": "autoprec.precision",
     "PrecisionPolicy": "autoprec.policy",
-    "ScaledCast": "autoprec.kernels",
-    "ScaledTensor": "autoprec.kernels",
-    "apply_policy": "autoprec.runtime",
-    "fake_quantize": "autoprec.kernels",
-    "format_names": "autoprec.kernels",
-    "get_format": "autoprec.kernels",
-    "load_policy": "autoprec.policy_io",
-    "model_fingerprint": "autoprec.layers",
     "quantize": "autoprec.kernels",
     "save_policy": "autoprec.policy_io",
+    "ScaledCast": "autoprec.kernels",
+    "ScaledTensor": "autoprec.kernels",
+    "sensitivity": "autoprec.graph",
+    "SensitivityTable": "autoprec.graph",
 }
 
 __all__ = ["__version__", *_EXPORTS]
 
 if TYPE_CHECKING:  # pragma: no cover
+    from autoprec.data import (  # noqa: F401
+        DataBundle,
+        load_dataset,
+    )
+    from autoprec.graph import (  # noqa: F401
+        LayerTable,
+        SensitivityTable,
+        analyze,
+        sensitivity,
+    )
+    from autoprec.hardware import (  # noqa: F401
+        DeviceSpec,
+        get_device,
+        list_devices,
+    )
     from autoprec.kernels import (  # noqa: F401
         Format,
         ScaledCast,
@@ -52,15 +78,26 @@ if TYPE_CHECKING:  # pragma: no cover
         get_format,
         quantize,
     )
-    from autoprec.layers import model_fingerprint  # noqa: F401
+    from autoprec.layers import (  # noqa: F401
+        model_fingerprint,
+    )
+    from autoprec.models import (  # noqa: F401
+        ModelSpec,
+        load_model,
+    )
     from autoprec.policy import (  # noqa: F401
         LossScalingConfig,
         PolicyError,
         PolicyReport,
         PrecisionPolicy,
     )
-    from autoprec.policy_io import load_policy, save_policy  # noqa: F401
-    from autoprec.precision import Precision  # noqa: F401
+    from autoprec.policy_io import (  # noqa: F401
+        load_policy,
+        save_policy,
+    )
+    from autoprec.precision import (  # noqa: F401
+        Precision,
+    )
     from autoprec.runtime import (  # noqa: F401
         GuardConfig,
         LayerStats,

@@ -10,7 +10,9 @@ from __future__ import annotations
 import click
 
 from autoprec import __version__
+from autoprec.cli.analyze import analyze
 from autoprec.cli.formats import formats
+from autoprec.cli.models import models
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -19,7 +21,9 @@ def cli() -> None:
     """autoprec: find the best numeric precision for every layer of a model's training."""
 
 
+cli.add_command(analyze)
 cli.add_command(formats)
+cli.add_command(models)
 
 
 def main(argv: list[str] | None = None) -> int:

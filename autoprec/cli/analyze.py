@@ -1,0 +1,149 @@
+"""``autoprec analyze``: the layer table of a model, with per-layer precision sensitivities."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+
+def _heatmap(table, sens, path: Path) -> None:
+    """PNG: layers (rows, in execution order) x precisions, coloured by log10(1 - cosine)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    d = np.array(sens.matrix("grad_distance"), dtype=float)
+    with np.errstate(divide="ignore"):
+        logd = np.log10(np.clip(d, 1e-16, None))
+    fig, ax = plt.subplots(figsize=(2 + 1.1 * len(sens.precisions), 1.5 + 0.22 * len(sens.layers)))
+    im = ax.imshow(logd, aspect="auto", cmap="magma_r", vmin=-12, vmax=0)
+    ax.set_xticks(range(len(sens.precisions)), sens.precisions)
+    ax.set_yticks(range(len(sens.layers)), sens.layers, fontsize=7)
+    ax.set_title(f"{table.model}: gradient damage per layer ({sens.method})")
+    fig.colorbar(im, ax=ax, label="log10(1 - gradient cosine to fp32)")
+    fig.tight_layout()
+    tmp = path.with_name(path.name + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
+
+
+@click.command()
+@click.option("--model", "model_name", required=True, help="Model name (see `autoprec models`).")
+@click.option("--dataset", default="digits", show_default=True, help="Data for the sensitivities.")
+@click.option(
+    "--data-dir", type=click.Path(), default=None, help="Folder of cifar10/imagefolder data."
+)
+@click.option(
+    "--download", is_flag=True, help="Allow downloading cifar10/cifar100 into --data-dir."
+)
+@click.option("--num-classes", type=int, default=10, show_default=True)
+@click.option(
+    "--image-size",
+    type=int,
+    default=32,
+    show_default=True,
+    help="Input size for image models (small keeps CPU analysis quick).",
+)
+@click.option("--batch-size", type=int, default=8, show_default=True)
+@click.option("--batches", type=int, default=4, show_default=True)
+@click.option("--precisions", default="fp32,tf32,bf16,fp16,fp8", show_default=True)
+@click.option(
+    "--method", type=click.Choice(["sweep", "taylor"]), default="sweep", show_default=True
+)
+@click.option("--no-sensitivity", is_flag=True, help="Only the layer table (FLOPs, bytes).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--json", "json_path", type=click.Path(), default=None, help="Write everything as JSON."
+)
+@click.option("--heatmap", type=click.Path(), default=None, help="PNG of layers x precisions.")
+def analyze(
+    model_name,
+    dataset,
+    data_dir,
+    download,
+    num_classes,
+    image_size,
+    batch_size,
+    batches,
+    precisions,
+    method,
+    no_sensitivity,
+    seed,
+    json_path,
+    heatmap,
+) -> None:
+    """Analyse a model's tunable layers and grade each one's need for precision."""
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from autoprec.data import load_dataset_for
+    from autoprec.graph import analyze as analyze_model
+    from autoprec.graph import sensitivity
+    from autoprec.models import load_model
+
+    spec = load_model(model_name, num_classes=num_classes, image_size=image_size)
+    table = analyze_model(spec, batch_size)
+    sens = None
+    if not no_sensitivity:
+        data = load_dataset_for(spec, dataset, root=data_dir, download=download, seed=seed)
+        formats = [p.strip() for p in precisions.split(",") if p.strip()]
+        with Progress(transient=True) as progress:
+            task = progress.add_task("sensitivity", total=len(table) * len(formats))
+            sens = sensitivity(
+                spec,
+                data,
+                formats,
+                batches,
+                batch_size=batch_size,
+                method=method,
+                seed=seed,
+                progress=lambda: progress.advance(task),
+            )
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=160)
+    out = Table(
+        title=f"{spec.name}: {len(table)} tunable layers, batch {table.batch_size}, "
+        f"input {tuple(table.input_shape)}; FLOPs in GFLOP (2 per multiply-add)"
+    )
+    for col in ("#", "layer", "type", "params", "fwd GFLOP", "bwd GFLOP", "act MB"):
+        out.add_column(col, justify="left" if col in ("layer", "type") else "right")
+    shown = [p for p in sens.precisions if p != "fp32"] if sens is not None else []
+    for p in shown:
+        out.add_column(f"1-cos {p}", justify="right")
+    for row in table:
+        cells = [
+            str(row.index),
+            row.name,
+            row.type,
+            f"{row.params:,}",
+            f"{row.forward_flops / 1e9:.4f}",
+            f"{row.backward_flops / 1e9:.4f}",
+            f"{(row.input_bytes + row.output_bytes) / 1e6:.2f}",
+        ]
+        cells += [f"{sens.distance(row.name, p):.1e}" for p in shown]
+        out.add_row(*cells)
+    console.print(out)
+    console.print(
+        f"total forward: {table.total_forward_flops / 1e9:.3f} GFLOP "
+        f"({table.flop_unit}) for batch {table.batch_size}"
+    )
+    if sens is not None:
+        console.print(
+            f"sensitivity: {sens.method}, {sens.wall_time_s:.1f} s "
+            "(1-cos: one minus the cosine of the full gradient to fp32's, float64)"
+        )
+    if json_path:
+        doc = json.loads(table.to_json())
+        doc["sensitivity"] = None if sens is None else sens.to_dict()
+        Path(json_path).write_text(json.dumps(doc, indent=2) + "\n")
+        console.print(f"wrote {json_path}")
+    if heatmap and sens is not None:
+        _heatmap(table, sens, Path(heatmap))
+        console.print(f"wrote {heatmap}")

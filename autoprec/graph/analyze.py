@@ -1,0 +1,229 @@
+"""Layer analysis: what each tunable layer of a model costs and where it sits.
+
+``analyze(spec, batch)`` runs one forward and backward pass of the model on a batch and returns
+a :class:`LayerTable` with one row per tunable layer in execution order (as forward hooks see
+them): parameter count, forward and backward FLOPs (``torch.utils.flop_counter``; FLOPs count 2
+per multiply-add), bytes of input, weight and output at fp32, position, fan-in/out, kernel size
+and stride, and the seed rule's default precision (convolutions and matmuls may go low).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from autoprec.layers import model_fingerprint, tunable_layers
+
+FLOP_UNIT = "FLOPs (2 per multiply-add)"
+
+
+@dataclass(frozen=True)
+class LayerRow:
+    """One tunable layer. Byte counts are at fp32 for the analysed batch."""
+
+    name: str
+    type: str
+    index: int
+    first: bool
+    last: bool
+    params: int
+    forward_flops: int
+    backward_flops: int
+    input_bytes: int
+    weight_bytes: int
+    output_bytes: int
+    fan_in: int
+    fan_out: int
+    kernel_size: tuple[int, ...]
+    stride: tuple[int, ...]
+    calls: int
+    default_precision: str
+    position: float  # relative depth in [0, 1]
+
+    @property
+    def flops(self) -> int:
+        """Forward plus backward FLOPs."""
+        return self.forward_flops + self.backward_flops
+
+
+@dataclass(frozen=True)
+class LayerTable:
+    """Rows in execution order plus what the analysis ran on."""
+
+    model: str
+    fingerprint: str
+    batch_size: int
+    input_shape: tuple[int, ...]
+    rows: tuple[LayerRow, ...]
+    total_forward_flops: int
+    flop_unit: str = FLOP_UNIT
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __iter__(self) -> Iterator[LayerRow]:
+        return iter(self.rows)
+
+    def __getitem__(self, name: str) -> LayerRow:
+        for row in self.rows:
+            if row.name == name:
+                return row
+        raise KeyError(name)
+
+    @property
+    def names(self) -> list[str]:
+        return [r.name for r in self.rows]
+
+    def to_dicts(self) -> list[dict[str, Any]]:
+        """Plain dicts (JSON-ready), one per row."""
+        out = []
+        for row in self.rows:
+            d = asdict(row)
+            d["kernel_size"], d["stride"] = list(row.kernel_size), list(row.stride)
+            out.append(d)
+        return out
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        doc = {
+            "model": self.model,
+            "fingerprint": self.fingerprint,
+            "batch_size": self.batch_size,
+            "input_shape": list(self.input_shape),
+            "flop_unit": self.flop_unit,
+            "total_forward_flops": self.total_forward_flops,
+            "layers": self.to_dicts(),
+        }
+        text = json.dumps(doc, indent=2)
+        if path is not None:
+            Path(path).write_text(text + "\n")
+        return text
+
+
+def _seed_rule(module: nn.Module) -> str:
+    """Convolutions and matmuls may go low; everything else stays fp32."""
+    tunable = isinstance(module, (nn.modules.conv._ConvNd, nn.Linear, nn.MultiheadAttention))
+    return "bf16" if tunable else "fp32"
+
+
+def _geometry(module: nn.Module) -> tuple[int, int, tuple[int, ...], tuple[int, ...]]:
+    if isinstance(module, nn.modules.conv._ConvNd):
+        k = math.prod(module.kernel_size)
+        fan_in = module.in_channels // module.groups * k
+        return fan_in, module.out_channels * k // module.groups, module.kernel_size, module.stride
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features, (), ()
+    if isinstance(module, nn.MultiheadAttention):
+        return module.embed_dim, module.embed_dim, (), ()
+    return 0, 0, (), ()
+
+
+def _nbytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * 4
+    if isinstance(obj, (tuple, list)):
+        return sum(_nbytes(o) for o in obj)
+    return 0
+
+
+def _module_flops(counts: dict, root: str) -> dict[str, int]:
+    """FlopCounterMode's per-module totals keyed by qualified name ('' for the root)."""
+    out = {}
+    for key, ops in counts.items():
+        if key == "Global":
+            continue
+        name = "" if key == root else key[len(root) + 1 :] if key.startswith(root + ".") else None
+        if name is not None:
+            out[name] = int(sum(ops.values()))
+    return out
+
+
+def analyze(spec: Any, batch: int | tuple[torch.Tensor, torch.Tensor] = 2) -> LayerTable:
+    """Analyse ``spec.module`` on one batch.
+
+    Args:
+        spec: a :class:`~autoprec.models.ModelSpec` (anything with ``module``, ``name``,
+            ``loss(output, target)`` and ``example_batch(n)``).
+        batch: a batch size (random example inputs) or an ``(inputs, targets)`` pair.
+
+    Returns:
+        The :class:`LayerTable`; FLOPs are for that batch.
+    """
+    # Shapes are all the analysis needs: run a copy on the meta device, so any batch size and
+    # image size cost milliseconds and the user's model is never touched.
+    model: nn.Module = copy.deepcopy(spec.module).to("meta")
+    x, y = spec.example_batch(batch) if isinstance(batch, int) else batch
+    x, y = x.to("meta"), y.to("meta")
+    layers = dict(tunable_layers(model))
+    order: list[str] = []
+    calls: dict[str, int] = {}
+    io_bytes: dict[str, tuple[int, int]] = {}
+    hooks = []
+    for name, module in layers.items():
+
+        def hook(mod, args, output, name=name):
+            if name not in calls:
+                order.append(name)
+                io_bytes[name] = (_nbytes(args), _nbytes(output))
+            calls[name] = calls.get(name, 0) + 1
+
+        hooks.append(module.register_forward_hook(hook))
+    root = type(model).__name__
+    model.train()
+    try:
+        with FlopCounterMode(display=False) as fwd_counter:
+            model(x)
+        calls.clear()
+        order.clear()
+        with FlopCounterMode(display=False) as both_counter:
+            loss = spec.loss(model(x), y)
+            loss.backward()
+    finally:
+        for h in hooks:
+            h.remove()
+    fwd = _module_flops(fwd_counter.get_flop_counts(), root)
+    both = _module_flops(both_counter.get_flop_counts(), root)
+    rows = []
+    for index, name in enumerate(order):
+        module = layers[name]
+        params = sum(p.numel() for p in module.parameters())
+        weight_bytes = sum(p.numel() * 4 for n, p in module.named_parameters() if "bias" not in n)
+        fan_in, fan_out, kernel, stride = _geometry(module)
+        rows.append(
+            LayerRow(
+                name=name,
+                type=type(module).__name__,
+                index=index,
+                first=index == 0,
+                last=index == len(order) - 1,
+                params=params,
+                forward_flops=fwd.get(name, 0),
+                backward_flops=both.get(name, 0) - fwd.get(name, 0),
+                input_bytes=io_bytes[name][0],
+                weight_bytes=weight_bytes,
+                output_bytes=io_bytes[name][1],
+                fan_in=fan_in,
+                fan_out=fan_out,
+                kernel_size=tuple(kernel),
+                stride=tuple(stride),
+                calls=calls[name],
+                default_precision=_seed_rule(module),
+                position=index / max(1, len(order) - 1),
+            )
+        )
+    return LayerTable(
+        model=getattr(spec, "name", root),
+        fingerprint=model_fingerprint(spec.module),
+        batch_size=int(x.shape[0]),
+        input_shape=tuple(x.shape[1:]),
+        rows=tuple(rows),
+        total_forward_flops=int(sum(fwd_counter.get_flop_counts()["Global"].values())),
+    )

@@ -1,0 +1,368 @@
+"""Per-layer precision sensitivity: how much lowering one layer hurts training.
+
+For each (layer, precision) two numbers, both against the fp32 model on the same fixed batches:
+
+- ``loss_delta``: relative change of the loss, ``(L - L_fp32) / |L_fp32|``;
+- ``grad_cosine``: cosine similarity (in float64) of the full parameter gradient to fp32's. Its
+  distance ``1 - cosine`` is the primary score: it catches gradients flushed to zero (unscaled
+  fp8), which the loss change misses.
+
+Two methods:
+
+- ``sweep``: lower exactly one layer at a time through the runtime (emulate mode) and measure:
+  layers x precisions forward/backward passes on one concatenated batch, in eval mode so that
+  batch-norm statistics stay fixed.
+- ``taylor``: one fp32 pass that keeps each layer's input, weight and their gradients and its
+  output gradient, then for each precision the rounding errors of those tensors give a
+  first-order loss change ``<g, dW> + <g_x, dx>`` plus a diagonal (empirical) Fisher term
+  ``1/2 sum g^2 d^2``, as NVIDIA ModelOpt's auto_quantize scores layers, and a gradient distance
+  from the relative errors of the forward operands and of the output gradient (weighted by the
+  share of the gradient norm that flows through that output gradient). No pass per layer.
+
+Results are cached on disk by (model fingerprint, data key, seed and settings).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import itertools
+import json
+import math
+import os
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoprec.kernels import ScaledCast, quantize
+from autoprec.layers import model_fingerprint, tunable_layers
+from autoprec.precision import Precision, parse_precision
+from autoprec.runtime import GuardConfig, apply_policy
+
+METHODS = ("taylor", "sweep")
+DEFAULT_FORMATS = ("fp32", "tf32", "bf16", "fp16", "fp8")
+
+
+@dataclass(frozen=True)
+class SensitivityTable:
+    """Sensitivities of every layer at every precision; matrices are [layer][precision]."""
+
+    method: str
+    model: str
+    fingerprint: str
+    data_key: str
+    layers: tuple[str, ...]
+    precisions: tuple[str, ...]
+    loss_delta: tuple[tuple[float, ...], ...]
+    grad_cosine: tuple[tuple[float, ...], ...]
+    reference_loss: float
+    wall_time_s: float
+    settings: dict
+
+    def distance(self, layer: str, precision: str) -> float:
+        """``1 - grad_cosine`` of one layer at one precision."""
+        return 1.0 - self.grad_cosine[self.layers.index(layer)][self.precisions.index(precision)]
+
+    def matrix(self, metric: str = "grad_distance") -> list[list[float]]:
+        """``grad_distance`` (1 - cosine), ``grad_cosine`` or ``loss_delta``, [layer][precision]."""
+        if metric == "grad_distance":
+            return [[1.0 - c for c in row] for row in self.grad_cosine]
+        if metric in ("grad_cosine", "loss_delta"):
+            return [list(row) for row in getattr(self, metric)]
+        raise ValueError(
+            f"unknown metric {metric!r}; expected grad_distance, grad_cosine or loss_delta"
+        )
+
+    def for_layer(self, layer: str) -> dict[str, dict[str, float]]:
+        i = self.layers.index(layer)
+        return {
+            p: {"loss_delta": self.loss_delta[i][j], "grad_cosine": self.grad_cosine[i][j]}
+            for j, p in enumerate(self.precisions)
+        }
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SensitivityTable:
+        d = dict(d)
+        for key in ("layers", "precisions"):
+            d[key] = tuple(d[key])
+        for key in ("loss_delta", "grad_cosine"):
+            d[key] = tuple(tuple(row) for row in d[key])
+        return cls(**d)
+
+
+# --- helpers -----------------------------------------------------------------------------------
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("AUTOPREC_CACHE_DIR")
+    return Path(root) if root else Path.home() / ".cache" / "autoprec"
+
+
+def _write_json_atomic(path: Path, doc: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(doc, fh)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _flat_grad(model: nn.Module) -> torch.Tensor:
+    return torch.cat(
+        [
+            (p.grad if p.grad is not None else torch.zeros_like(p)).detach().flatten().double()
+            for p in model.parameters()
+            if p.requires_grad
+        ]
+    )
+
+
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Cosine similarity; a non-finite gradient (diverged) scores 0, two zero gradients 1."""
+    if not torch.isfinite(a).all():
+        return 0.0
+    na, nb = a.norm(), b.norm()
+    if na == 0 or nb == 0:
+        return 1.0 if na == nb else 0.0
+    return float(torch.dot(a, b) / (na * nb))
+
+
+def _loss_and_grad(model: nn.Module, spec: Any, x, y) -> tuple[float, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    loss = spec.loss(model(x), y)
+    loss.backward()
+    return float(loss.detach()), _flat_grad(model)
+
+
+def _warm_start(
+    model: nn.Module, spec: Any, data: Any, steps: int, lr: float, batch: int, seed: int
+):
+    if steps <= 0:
+        return
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    model.train()
+    loader = itertools.cycle(data.loader("train", batch_size=batch, shuffle=True, seed=seed))
+    for _ in range(steps):
+        x, y = next(loader)
+        opt.zero_grad(set_to_none=True)
+        spec.loss(model(x), y).backward()
+        opt.step()
+
+
+def _measurement_mode(model: nn.Module) -> None:
+    """Eval mode (no dropout) except batch norm, which keeps using batch statistics.
+
+    Every measurement then sees the same function of the same batch. Batch norm on the running
+    statistics of a briefly trained model can shrink activations into fp32 subnormals, which
+    slows a CPU down many times over.
+    """
+    model.eval()
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.train()
+
+
+def _round_like_runtime(t: torch.Tensor, precision: Precision, stream: str) -> torch.Tensor:
+    """What the emulate runtime turns ``t`` into (fp8: scaled by its own amax, first call)."""
+    fmt = precision.backward_format if stream == "grad_output" else precision.forward_format
+    if precision.scaled:
+        return ScaledCast(fmt)(t).dequantize()
+    return quantize(t, fmt)
+
+
+# --- methods -----------------------------------------------------------------------------------
+
+
+def _sweep(model, spec, x, y, names, precisions, ref_loss, ref_grad, progress):
+    loss_delta, cosine = [], []
+    guard = GuardConfig(count=False)
+    for name in names:
+        row_l, row_c = [], []
+        for p in precisions:
+            if p is Precision.FP32:
+                row_l.append(0.0)
+                row_c.append(1.0)
+                continue
+            with apply_policy(model, {name: p}, mode="emulate", guard=guard):
+                loss, grad = _loss_and_grad(model, spec, x, y)
+            row_l.append((loss - ref_loss) / abs(ref_loss) if math.isfinite(loss) else math.inf)
+            row_c.append(_cosine(grad, ref_grad))
+            if progress:
+                progress()
+        loss_delta.append(tuple(row_l))
+        cosine.append(tuple(row_c))
+    return loss_delta, cosine
+
+
+def _taylor(model, spec, x, y, names, precisions, ref_loss, progress):
+    modules = dict(tunable_layers(model))
+    saved: dict[str, dict[str, torch.Tensor]] = {n: {} for n in names}
+    hooks = []
+    for name in names:
+
+        def pre(mod, args, name=name):
+            inp = args[0]
+            if not (isinstance(inp, torch.Tensor) and inp.is_floating_point()):
+                return None
+            if inp.requires_grad:  # keep the graph whole; just keep this gradient too
+                inp.retain_grad()
+                saved[name]["x"] = inp
+                return None
+            inp = inp.detach().requires_grad_(True)  # model input: nothing upstream to cut
+            saved[name]["x"] = inp
+            return (inp, *args[1:])
+
+        def post(mod, args, out, name=name):
+            out = out[0] if isinstance(out, tuple) else out
+            if out.requires_grad:
+                out.register_hook(lambda g, name=name: saved[name].__setitem__("go", g.detach()))
+
+        hooks += [
+            modules[name].register_forward_pre_hook(pre),
+            modules[name].register_forward_hook(post),
+        ]
+    model.zero_grad(set_to_none=True)
+    try:
+        spec.loss(model(x), y).backward()
+    finally:
+        for h in hooks:
+            h.remove()
+    grad_sq = {
+        n: sum(
+            float(p.grad.double().pow(2).sum())
+            for p in modules[n].parameters()
+            if p.grad is not None
+        )
+        for n in names
+    }
+    total_sq = float(_flat_grad(model).pow(2).sum()) or 1.0
+    upstream = list(itertools.accumulate(grad_sq[n] for n in names))  # execution order
+    loss_delta, cosine = [], []
+    for i, name in enumerate(names):
+        m, s = modules[name], saved[name]
+        weights = [p for n, p in m.named_parameters() if "bias" not in n and p.grad is not None]
+        row_l, row_c = [], []
+        for p in precisions:
+            if p is Precision.FP32:
+                row_l.append(0.0)
+                row_c.append(1.0)
+                continue
+            first = second = rel_fwd = 0.0
+            pairs = [(w.detach(), w.grad) for w in weights]
+            if "x" in s and s["x"].grad is not None:
+                pairs.append((s["x"].detach(), s["x"].grad))
+            for t, g in pairs:
+                d = (_round_like_runtime(t, p, "forward") - t).double()
+                gd = g.double()
+                first += float((gd * d).sum())
+                second += 0.5 * float((gd.pow(2) * d.pow(2)).sum())
+                rel_fwd += float(d.pow(2).sum() / t.double().pow(2).sum().clamp_min(1e-300))
+            rel_bwd = 0.0
+            if "go" in s:
+                go = s["go"]
+                dgo = (_round_like_runtime(go, p, "grad_output") - go).double()
+                rel_bwd = float(dgo.pow(2).sum() / go.double().pow(2).sum().clamp_min(1e-300))
+            row_l.append((first + second) / abs(ref_loss))
+            distance = 0.5 * (rel_fwd + upstream[i] / total_sq * min(rel_bwd, 4.0))
+            row_c.append(1.0 - min(distance, 2.0))
+            if progress:
+                progress()
+        loss_delta.append(tuple(row_l))
+        cosine.append(tuple(row_c))
+    model.zero_grad(set_to_none=True)
+    return loss_delta, cosine
+
+
+def sensitivity(
+    spec: Any,
+    data: Any,
+    formats: Sequence[str] = DEFAULT_FORMATS,
+    batches: int = 4,
+    *,
+    batch_size: int = 8,
+    method: str = "sweep",
+    train_steps: int = 30,
+    lr: float = 0.05,
+    seed: int = 0,
+    cache: bool = True,
+    progress: Callable[[], None] | None = None,
+) -> SensitivityTable:
+    """Grade every tunable layer's need for precision.
+
+    Args:
+        spec: a ModelSpec (``module``, ``name``, ``loss``); its module is not modified (a copy
+            is trained briefly in fp32 first).
+        data: a DataBundle (``loader``, ``fixed_batches``, ``key``).
+        formats: precisions to grade (fp32 is the reference and scores 0).
+        batches: how many fixed batches of ``batch_size`` to measure on (one concatenated pass).
+        method: ``"sweep"`` (one pass per layer and precision) or ``"taylor"`` (one pass).
+        train_steps: fp32 SGD steps before measuring, so gradients look like training's.
+        cache: reuse/store the result under ``$AUTOPREC_CACHE_DIR`` (default ~/.cache/autoprec).
+        progress: called once per (layer, precision) measured.
+    """
+    if method not in METHODS:
+        raise ValueError(
+            f"unknown sensitivity method {method!r}; expected one of {', '.join(METHODS)}"
+        )
+    precisions = tuple(parse_precision(f) for f in formats)
+    fingerprint = model_fingerprint(spec.module)
+    settings = {
+        "method": method,
+        "formats": [p.value for p in precisions],
+        "batches": batches,
+        "batch_size": batch_size,
+        "train_steps": train_steps,
+        "lr": lr,
+        "seed": seed,
+    }
+    key = hashlib.sha256(
+        json.dumps([fingerprint, data.key, settings], sort_keys=True).encode()
+    ).hexdigest()[:24]
+    path = _cache_dir() / "sensitivity" / f"{key}.json"
+    if cache and path.exists():
+        return SensitivityTable.from_dict(json.loads(path.read_text()))
+
+    start = time.perf_counter()
+    torch.manual_seed(seed)
+    model = copy.deepcopy(spec.module)
+    _warm_start(model, spec, data, train_steps, lr, batch_size, seed)
+    _measurement_mode(model)
+    fixed = data.fixed_batches(batches, batch_size, split="train", seed=seed)
+    x = torch.cat([b[0] for b in fixed])
+    y = torch.cat([b[1] for b in fixed])
+    names = [n for n, _ in tunable_layers(model)]
+    ref_loss, ref_grad = _loss_and_grad(model, spec, x, y)
+    if method == "sweep":
+        loss_delta, cosine = _sweep(
+            model, spec, x, y, names, precisions, ref_loss, ref_grad, progress
+        )
+    else:
+        loss_delta, cosine = _taylor(model, spec, x, y, names, precisions, ref_loss, progress)
+    table = SensitivityTable(
+        method=method,
+        model=getattr(spec, "name", type(spec.module).__name__),
+        fingerprint=fingerprint,
+        data_key=data.key,
+        layers=tuple(names),
+        precisions=tuple(p.value for p in precisions),
+        loss_delta=tuple(loss_delta),
+        grad_cosine=tuple(cosine),
+        reference_loss=ref_loss,
+        wall_time_s=time.perf_counter() - start,
+        settings=settings,
+    )
+    if cache:
+        _write_json_atomic(path, table.to_dict())
+    return table

@@ -1,0 +1,87 @@
+"""Per-layer sensitivity: both methods, their agreement on a small model, the disk cache."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from autoprec.graph import grade, sensitivity
+
+
+class Spec:
+    def __init__(self, module: nn.Module) -> None:
+        self.name, self.module = "mlp", module
+
+    def loss(self, output, target):
+        return nn.functional.cross_entropy(output, target)
+
+
+class Data:
+    """A fixed, learnable stand-in for a DataBundle."""
+
+    key = "test-data"
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(256, 1, 8, 8, generator=g)
+        self.y = (self.x.flatten(1)[:, :10].argmax(1)).long()
+
+    def loader(self, split="train", batch_size=32, shuffle=True, seed=0):
+        return [
+            (self.x[i : i + batch_size], self.y[i : i + batch_size])
+            for i in range(0, 256, batch_size)
+        ]
+
+    def fixed_batches(self, n, batch_size, split="train", seed=0):
+        return self.loader(split, batch_size)[:n]
+
+
+def make_spec() -> Spec:
+    torch.manual_seed(0)
+    return Spec(nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10)))
+
+
+@pytest.mark.parametrize("method", ["sweep", "taylor"])
+def test_formats_are_ordered_by_damage(method):
+    table = sensitivity(make_spec(), Data(), method=method, cache=False, train_steps=10)
+    assert table.layers == ("1", "3") and table.precisions == (
+        "fp32",
+        "tf32",
+        "bf16",
+        "fp16",
+        "fp8",
+    )
+    d = np.array(table.matrix())
+    assert np.all(d[:, 0] == 0)  # fp32 is the reference
+    for row in d:  # tf32 ~ fp16 (10 mantissa bits) << bf16 (7) << fp8
+        assert row[1] < row[2] < row[4] and row[3] < row[2]
+    assert table.method == method and table.reference_loss > 0
+
+
+def test_the_user_model_is_not_trained():
+    spec = make_spec()
+    before = [p.clone() for p in spec.module.parameters()]
+    sensitivity(spec, Data(), method="taylor", cache=False, train_steps=5)
+    assert all(torch.equal(a, b) for a, b in zip(before, spec.module.parameters(), strict=True))
+
+
+def test_results_are_cached_on_disk(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOPREC_CACHE_DIR", str(tmp_path))
+    first = sensitivity(make_spec(), Data(), method="taylor", train_steps=5)
+    assert len(list((tmp_path / "sensitivity").glob("*.json"))) == 1
+
+    def fail(*args, **kwargs):
+        raise AssertionError("recomputed instead of reading the cache")
+
+    monkeypatch.setattr(grade, "_loss_and_grad", fail)
+    again = sensitivity(make_spec(), Data(), method="taylor", train_steps=5)
+    assert again == first
+    with pytest.raises(AssertionError, match="recomputed"):  # other settings: a new entry
+        sensitivity(make_spec(), Data(), method="taylor", train_steps=6)
+
+
+def test_unknown_method():
+    with pytest.raises(ValueError, match="sweep"):
+        sensitivity(make_spec(), Data(), method="exact")
