@@ -12,6 +12,7 @@ import click
 from autoprec import __version__
 from autoprec.cli.analyze import analyze
 from autoprec.cli.formats import formats
+from autoprec.cli.hardware import hardware
 from autoprec.cli.models import models
 
 
@@ -23,6 +24,7 @@ def cli() -> None:
 
 cli.add_command(analyze)
 cli.add_command(formats)
+cli.add_command(hardware)
 cli.add_command(models)
 
 

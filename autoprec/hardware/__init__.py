@@ -10,6 +10,7 @@ Example:
 
 from __future__ import annotations
 
+from autoprec.hardware.cost import CostModel, Efficiency, LayerCost, StepEstimate
 from autoprec.hardware.database import (
     DeviceDatabaseError,
     DeviceSpec,
@@ -20,12 +21,18 @@ from autoprec.hardware.database import (
     list_devices,
     supported_precisions,
 )
+from autoprec.hardware.defaults import default_policy
 
 __all__ = [
+    "CostModel",
     "DeviceDatabaseError",
     "DeviceSpec",
+    "Efficiency",
+    "LayerCost",
     "PreferredMode",
+    "StepEstimate",
     "UnknownDeviceError",
+    "default_policy",
     "detect",
     "get_device",
     "list_devices",

@@ -1,0 +1,155 @@
+"""``autoprec hardware``: the accelerator database, detection, calibration and estimates."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+
+def _console():
+    from rich.console import Console
+
+    console = Console()
+    return console if console.is_terminal else Console(width=140)
+
+
+@click.group()
+def hardware() -> None:
+    """Accelerators autoprec knows, and what a policy costs on them."""
+
+
+@hardware.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def list_cmd(as_json: bool) -> None:
+    """List the accelerators in the database (dense peak TFLOP/s per format)."""
+    from rich.table import Table
+
+    from autoprec.hardware import list_devices
+
+    devices = list_devices()
+    if as_json:
+        click.echo(json.dumps([_summary(d) for d in devices], indent=2))
+        return
+    table = Table(title="Accelerators (dense peak TFLOP/s; bandwidth GB/s; memory GB)")
+    for col in ("name", "vendor", "fp32", "tf32", "bf16", "fp16", "fp8", "GB/s", "GB", "low/wide"):
+        table.add_column(col, justify="left" if col in ("name", "vendor", "low/wide") else "right")
+    for d in devices:
+        rates = [
+            f"{d.peak_tflops[p]:g}" if p in d.peak_tflops else "-"
+            for p in ("fp32", "tf32", "bf16", "fp16", "fp8")
+        ]
+        table.add_row(
+            d.name,
+            d.vendor,
+            *rates,
+            f"{d.memory_bandwidth_gbs:g}",
+            f"{d.memory_gb:g}",
+            f"{d.preferred.low}/{d.preferred.wide}",
+        )
+    _console().print(table)
+
+
+def _summary(d) -> dict:
+    return {
+        "name": d.name,
+        "vendor": d.vendor,
+        "full_name": d.full_name,
+        "peak_tflops": dict(d.peak_tflops),
+        "memory_bandwidth_gbs": d.memory_bandwidth_gbs,
+        "memory_gb": d.memory_gb,
+        "supported_precisions": list(d.supported_precisions),
+        "preferred": {
+            "low": d.preferred.low,
+            "wide": d.preferred.wide,
+            "loss_scaling": d.preferred.loss_scaling,
+        },
+    }
+
+
+@hardware.command()
+@click.argument("name")
+def show(name: str) -> None:
+    """Everything the database says about one accelerator, with sources."""
+    from autoprec.hardware import get_device
+
+    d = get_device(name)
+    doc = _summary(d)
+    doc["aliases"] = list(d.aliases)
+    doc["sources"] = dict(d.sources)
+    click.echo(json.dumps(doc, indent=2))
+
+
+@hardware.command()
+def detect() -> None:
+    """The database entry for this machine's accelerator (cpu without one)."""
+    from autoprec.hardware import detect as detect_device
+
+    d = detect_device()
+    click.echo(f"{d.name}: {d.full_name} (supports {', '.join(d.supported_precisions)})")
+
+
+@hardware.command()
+@click.option("--device", default=None, help="Database entry the measurement stands for.")
+@click.option("--repeats", type=int, default=5, show_default=True)
+def calibrate(device: str | None, repeats: int) -> None:
+    """Measure this machine's matmul rates and copy bandwidth; the cost model then uses them."""
+    from autoprec.hardware.calibration import calibrate as run
+    from autoprec.hardware.calibration import calibration_path
+
+    result = run(device, repeats=repeats)
+    console = _console()
+    for precision, tflops in result.achieved_tflops.items():
+        eff = result.compute_efficiency.get(precision)
+        share = f" ({eff:.0%} of peak)" if eff is not None else ""
+        console.print(f"{precision}: {tflops * 1e3:.1f} GFLOP/s{share}")
+    console.print(
+        f"copy bandwidth: {result.bandwidth_gbs:.1f} GB/s "
+        f"({result.bandwidth_efficiency:.0%} of the database figure)"
+    )
+    console.print(f"saved {calibration_path(result.device)}")
+
+
+@hardware.command()
+@click.option("--model", "model_name", required=True)
+@click.option("--device", required=True, help="Target accelerator (see `autoprec hardware list`).")
+@click.option("--batch-size", type=int, required=True)
+@click.option("--image-size", type=int, default=None)
+@click.option("--num-classes", type=int, default=1000, show_default=True)
+@click.option("--precision", default=None, help="One precision for every tunable layer.")
+@click.option("--policy", "policy_file", type=click.Path(), default=None, help="A policy file.")
+@click.option("--optimizer", type=click.Choice(["sgd", "adam"]), default="sgd", show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def estimate(
+    model_name,
+    device,
+    batch_size,
+    image_size,
+    num_classes,
+    precision,
+    policy_file,
+    optimizer,
+    as_json,
+) -> None:
+    """Predicted training-step time, throughput and memory of a model under a policy."""
+    if (precision is None) == (policy_file is None):
+        raise click.UsageError("give exactly one of --precision and --policy")
+    from autoprec.graph import analyze
+    from autoprec.hardware import CostModel
+    from autoprec.models import load_model
+    from autoprec.policy_io import load_policy
+
+    spec = load_model(model_name, num_classes=num_classes, image_size=image_size)
+    table = analyze(spec, 1)
+    policy = precision if policy_file is None else load_policy(policy_file)
+    result = CostModel(device).step(table, policy, optimizer=optimizer, batch_size=batch_size)
+    if as_json:
+        click.echo(json.dumps(result.to_dict(), indent=2))
+        return
+    console = _console()
+    console.print(
+        f"{spec.name} on {device}, batch {batch_size}, {optimizer}: "
+        f"step {result.step_time_s * 1e3:.1f} ms, {result.throughput:,.0f} samples/s, "
+        f"memory {result.memory_bytes / 2**30:.2f} GiB"
+    )
+    console.print("  " + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in result.memory.items()))

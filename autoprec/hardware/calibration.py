@@ -1,0 +1,182 @@
+"""Calibration: measure the local device's matmul rate per format and its copy bandwidth.
+
+The cost model's efficiency factors (achieved / peak) default to documented values; a
+calibration replaces them for the device it ran on. Results live in the user's cache
+(``$AUTOPREC_CACHE_DIR/calibration/<device>.json``, default ``~/.cache/autoprec``), written
+atomically, and :func:`load_efficiency` hands them to :class:`~autoprec.hardware.CostModel`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from autoprec.hardware.database import DeviceSpec, detect, get_device
+
+__all__ = ["Calibration", "calibrate", "load_calibration", "load_efficiency", "calibration_path"]
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What one calibration measured, and the efficiency factors derived from it."""
+
+    device: str
+    torch_device: str
+    matmul_size: int
+    achieved_tflops: dict[str, float]  # per precision
+    bandwidth_gbs: float
+    compute_efficiency: dict[str, float]  # achieved / the database's peak
+    bandwidth_efficiency: float
+    created: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def calibration_path(device_name: str) -> Path:
+    root = os.environ.get("AUTOPREC_CACHE_DIR")
+    base = Path(root) if root else Path.home() / ".cache" / "autoprec"
+    return base / "calibration" / f"{device_name}.json"
+
+
+def _median_time(fn: Callable[[], Any], sync: Callable[[], None], repeats: int) -> float:
+    fn()  # warm-up (allocations, library initialisation)
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _matmul_rate(precision: str, size: int, device: str, repeats: int) -> float | None:
+    """Achieved FLOP/s of a size x size matmul in ``precision``; None when it cannot run."""
+    import torch
+
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    dtype = {
+        "fp32": torch.float32,
+        "tf32": torch.float32,
+        "bf16": torch.bfloat16,
+        "fp16": torch.float16,
+    }.get(precision)
+    if dtype is None:  # fp8 needs scaled matmul kernels; not measured here
+        return None
+    if precision == "tf32" and device != "cuda":
+        return None
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
+    try:
+        seconds = _median_time(lambda: a @ b, sync, repeats)
+    except RuntimeError:
+        return None
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
+    return 2 * size**3 / seconds
+
+
+def _copy_bandwidth(device: str, repeats: int, numel: int = 1 << 25) -> float:
+    """Bytes/s of a device-to-device copy (read + write)."""
+    import torch
+
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    src = torch.randn(numel, device=device)
+    dst = torch.empty_like(src)
+    seconds = _median_time(lambda: dst.copy_(src), sync, repeats)
+    return 2 * src.numel() * src.element_size() / seconds
+
+
+def calibrate(
+    spec: DeviceSpec | str | None = None,
+    size: int | None = None,
+    repeats: int = 5,
+    save: bool = True,
+) -> Calibration:
+    """Measure the local device and (by default) store the result for the cost model.
+
+    Args:
+        spec: the database entry the measurements stand for; default: :func:`detect`.
+        size: matmul size (default 4096 on CUDA, 1024 on CPU).
+        repeats: timed repetitions per measurement (the median is kept).
+        save: write the calibration into the user's cache.
+    """
+    import torch
+
+    spec = detect() if spec is None else get_device(spec)
+    device = "cuda" if torch.cuda.is_available() and spec.name != "cpu" else "cpu"
+    size = size or (4096 if device == "cuda" else 1024)
+    achieved, efficiency = {}, {}
+    for precision in spec.supported_precisions:
+        # CPU bf16 matmuls are emulated in software on most CPUs: a smaller problem suffices
+        n = size if device == "cuda" or precision == "fp32" else max(256, size // 4)
+        rate = _matmul_rate(precision, n, device, repeats)
+        if rate is None:
+            continue
+        achieved[precision] = rate / 1e12
+        try:
+            efficiency[precision] = rate / spec.peak_flops(precision)
+        except ValueError:  # no published peak for that format
+            pass
+    bandwidth = _copy_bandwidth(device, repeats)
+    result = Calibration(
+        device=spec.name,
+        torch_device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        matmul_size=size,
+        achieved_tflops=achieved,
+        bandwidth_gbs=bandwidth / 1e9,
+        compute_efficiency=efficiency,
+        bandwidth_efficiency=bandwidth / spec.memory_bandwidth,
+        created=time.strftime("%Y-%m-%dT%H:%M:%S"),
+    )
+    if save:
+        path = calibration_path(spec.name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as fh:
+                json.dump(result.to_dict(), fh, indent=2)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    return result
+
+
+def load_calibration(device_name: str) -> Calibration | None:
+    """The stored calibration of a device, or None (missing or unreadable file)."""
+    path = calibration_path(device_name)
+    try:
+        return Calibration(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def load_efficiency(device_name: str):
+    """Efficiency factors from a stored calibration (None without one), for the cost model.
+
+    Precisions the calibration could not measure keep the cost model's defaults.
+    """
+    calibration = load_calibration(device_name)
+    if calibration is None:
+        return None
+    from autoprec.hardware.cost import Efficiency
+
+    default = Efficiency()
+    compute = dict(default.compute)
+    compute.update(calibration.compute_efficiency)
+    return Efficiency(
+        compute=compute,
+        bandwidth=calibration.bandwidth_efficiency,
+        kernel_overhead_s=default.kernel_overhead_s,
+    )

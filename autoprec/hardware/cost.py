@@ -1,0 +1,381 @@
+"""A roofline cost model of one training step (time and memory) under a precision policy.
+
+The model works from a :class:`~autoprec.graph.LayerTable` (FLOPs and fp32 byte counts per
+tunable layer) and a :class:`~autoprec.hardware.DeviceSpec` (dense peak rate per precision,
+memory bandwidth). It is a first-order estimate for ranking policies, not a simulator.
+
+Per tunable layer and pass::
+
+    time = max(flops / rate(precision), bytes / (bandwidth * efficiency.bandwidth))
+           + kernel_overhead_s * kernels            # 1 kernel forward, 2 backward
+
+- ``rate(precision) = peak_flops(precision) * efficiency.compute[precision]``; a narrower format
+  is assumed never slower than a wider one the device runs (its rate is raised to theirs where
+  the datasheet or efficiencies would say otherwise; a supported but unrated format gets the
+  rate of the nearest wider rated one). fp32 layers use the fp32 rate (no tf32).
+- Forward bytes = input + weight read, output written, at the layer's format: fp32 bytes times
+  ``storage_bytes(precision.forward_format) / 4`` (tf32 stores 4 bytes). Backward moves about
+  twice the forward bytes (input gradient and weight gradient).
+- ``batch_size`` scales FLOPs and activation bytes by ``batch_size / table.batch_size``; weights
+  do not scale.
+
+Around the layers (all memory-bound, ``bytes / (bandwidth * efficiency.bandwidth)`` plus one
+kernel overhead per kernel):
+
+- Casts (``cast_s``): where a layer's storage format differs from its predecessor's (execution
+  order; the model input counts as fp32; tf32 is stored as fp32) one cast kernel reads the
+  input at the predecessor's format and writes it at the layer's, in forward and again for the
+  gradient in backward. Every layer stored below fp32 casts its weight once per step (read fp32,
+  write low). fp8 adds amax/scale work: one extra fp32 read of input and weight.
+- Element-wise and normalisation work (``other_s``): assumed to be 3 memory passes (read +
+  write) over each tunable layer's output forward and twice that in backward (one kernel per
+  pass) -- roughly a norm, an activation and a residual add per layer. The arithmetic stays
+  fp32, but the tensors move at the layer's output format, as under torch.autocast (a bf16
+  convolution hands bf16 activations to its batch norm and ReLU).
+- Optimizer (``optimizer_s``): SGD with momentum moves ~4 x 4 bytes per parameter, Adam(W)
+  ~7 x 4 bytes, one kernel per tunable layer. Only the tunable layers' parameters are counted
+  (normalisation parameters are small).
+
+Memory (``StepEstimate.memory``): fp32 master weights (4 B/param), low-precision weight copies
+for layers stored below fp32, fp32 gradients, optimizer state (SGD momentum 4 B/param, Adam 8
+B/param), and activations saved for backward (each layer's input at its format, plus its output
+once at fp32 for the element-wise work). Workspace and allocator overhead are not counted.
+
+A device with ``logical_devices > 1`` (MI250X) is estimated per package: its figures are per
+package and the estimate is for one process driving all of it.
+
+Example:
+    >>> from autoprec.models import load_model
+    >>> from autoprec.graph import analyze
+    >>> table = analyze(load_model("resnet50", num_classes=1000), 1)
+    >>> est = CostModel("h100-sxm").step(table, "bf16", batch_size=256)
+    >>> 300 < est.throughput < 20000
+    True
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+from autoprec.hardware.database import DeviceSpec, get_device
+from autoprec.precision import PRECISION_NAMES, Precision, parse_precision
+
+if TYPE_CHECKING:
+    from autoprec.graph.analyze import LayerRow, LayerTable
+    from autoprec.policy import PrecisionPolicy
+
+#: Default fraction of dense peak reached by a layer's matrix work. Round figures, not
+#: measurements: large GEMMs reach ~70-90% of peak in NVIDIA's cuBLAS/matmul performance guides,
+#: whole training steps reach ~40-60% model-FLOPs utilisation in MLPerf Training submissions; we
+#: sit between the two. fp8 is lower because real fp8 speedups over bf16 (Transformer Engine
+#: material) are ~1.3-1.5x rather than 2x. Calibrate on the target for real numbers.
+DEFAULT_COMPUTE_EFFICIENCY: Mapping[str, float] = MappingProxyType(
+    {"fp32": 0.7, "tf32": 0.6, "bf16": 0.6, "fp16": 0.6, "fp8": 0.5}
+)
+OPTIMIZER_BYTES_PER_PARAM = {"sgd": 4 * 4, "adam": 7 * 4, "adamw": 7 * 4}
+OPTIMIZER_STATE_BYTES_PER_PARAM = {"sgd": 4, "adam": 8, "adamw": 8}
+ELEMENTWISE_PASSES = 3  # memory passes over each layer's output, forward (backward: twice)
+_WIDE = ("fp32", "tf32")  # stored as 4-byte fp32
+
+
+class CostModelError(ValueError):
+    """The cost model cannot estimate this device, precision or setting."""
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Fraction of peak actually reached.
+
+    Args:
+        compute: achieved / dense peak FLOP/s per precision; precisions not given take
+            :data:`DEFAULT_COMPUTE_EFFICIENCY`.
+        bandwidth: achieved / peak memory bandwidth (0.8: STREAM-like copies reach ~80-90% of
+            HBM peak).
+        kernel_overhead_s: fixed launch and dispatch cost per kernel (~5 us for a CUDA launch
+            plus PyTorch dispatch).
+    """
+
+    compute: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_COMPUTE_EFFICIENCY))
+    bandwidth: float = 0.8
+    kernel_overhead_s: float = 5e-6
+
+    def __post_init__(self) -> None:
+        merged = dict(DEFAULT_COMPUTE_EFFICIENCY)
+        for key, value in dict(self.compute).items():
+            merged[parse_precision(key).value] = _fraction(value, f"efficiency.compute.{key}")
+        object.__setattr__(self, "compute", merged)
+        object.__setattr__(self, "bandwidth", _fraction(self.bandwidth, "efficiency.bandwidth"))
+        overhead = self.kernel_overhead_s
+        if not _is_number(overhead) or not math.isfinite(overhead) or overhead < 0:
+            raise CostModelError(f"efficiency.kernel_overhead_s must be >= 0, got {overhead!r}")
+
+    def __hash__(self) -> int:
+        return hash((tuple(sorted(self.compute.items())), self.bandwidth, self.kernel_overhead_s))
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields."""
+        return {
+            "compute": dict(self.compute),
+            "bandwidth": self.bandwidth,
+            "kernel_overhead_s": self.kernel_overhead_s,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Efficiency:
+        """Inverse of :meth:`to_dict` (missing fields take their defaults)."""
+        return cls(
+            **{k: data[k] for k in ("compute", "bandwidth", "kernel_overhead_s") if k in data}
+        )
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One layer's matrix work: seconds forward and backward, and what bounds it."""
+
+    name: str
+    precision: str
+    forward_s: float
+    backward_s: float
+    bound: str  # "compute" | "memory"
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    """Predicted time and memory of one training step; seconds, bytes, samples/s."""
+
+    device: str
+    batch_size: int
+    step_time_s: float
+    forward_s: float
+    backward_s: float
+    optimizer_s: float
+    cast_s: float
+    other_s: float
+    throughput: float
+    memory_bytes: int
+    memory: Mapping[str, int]
+    layers: tuple[LayerCost, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict with every field (``layers`` as a list of dicts)."""
+        out = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "layers"}
+        out["memory"] = dict(self.memory)
+        out["layers"] = [asdict(layer) for layer in self.layers]
+        return out
+
+
+class CostModel:
+    """Roofline estimates of a training step on one device (see the module docstring).
+
+    Args:
+        device: a :class:`DeviceSpec` or a name from the database.
+        efficiency: fractions of peak; None loads the device's calibration if there is one
+            (``autoprec.hardware.calibration.load_efficiency``), else the documented defaults.
+
+    Raises:
+        CostModelError: the device has no known memory bandwidth (an undetected GPU).
+    """
+
+    def __init__(self, device: DeviceSpec | str, efficiency: Efficiency | None = None) -> None:
+        self.device = get_device(device)
+        if not self.device.memory_bandwidth > 0:  # NaN for an undetected GPU
+            raise CostModelError(
+                f"device {self.device.name!r} has no known memory bandwidth; name a device "
+                "from the database (autoprec.hardware.list_devices())"
+            )
+        self.efficiency = efficiency if efficiency is not None else _calibrated(self.device.name)
+        self._bandwidth = self.device.memory_bandwidth * self.efficiency.bandwidth
+        self._rates: dict[str, float] = {}
+
+    def rate(self, precision: str | Precision, *, layer: str | None = None) -> float:
+        """Achieved FLOP/s of matrix work at ``precision``.
+
+        Raises:
+            CostModelError: the device cannot run ``precision`` (the message names the
+                device, the layer when given, and the supported precisions), or has no rated
+                precision at least as wide.
+        """
+        p = parse_precision(precision).value
+        if p in self._rates:
+            return self._rates[p]
+        spec, where = self.device, f" (layer {layer!r})" if layer else ""
+        if not spec.supports(p):
+            raise CostModelError(
+                f"device {spec.name!r} cannot run {p}{where}; it supports "
+                f"{', '.join(spec.supported_precisions)}: choose a supported policy"
+            )
+        # This precision and every wider one the device runs: a narrower format is taken to
+        # be never slower than a wider one.
+        wider = [q for q in PRECISION_NAMES[: PRECISION_NAMES.index(p) + 1] if spec.supports(q)]
+        rated = [
+            spec.peak_tflops[q] * 1e12 * self.efficiency.compute[q]
+            for q in wider
+            if q in spec.peak_tflops
+        ]
+        if not rated:
+            raise CostModelError(
+                f"device {spec.name!r} has no published rate for {p} or any wider precision"
+                f"{where}; rated: {', '.join(spec.peak_tflops) or 'none'}"
+            )
+        self._rates[p] = max(rated)
+        return self._rates[p]
+
+    def _memory_s(self, nbytes: float, kernels: int = 1) -> float:
+        return nbytes / self._bandwidth + kernels * self.efficiency.kernel_overhead_s
+
+    def layer_cost(
+        self, row: LayerRow, precision: str | Precision, scale: float = 1.0
+    ) -> LayerCost:
+        """Forward and backward seconds of one layer's matrix work.
+
+        Args:
+            row: the layer's row from :func:`~autoprec.graph.analyze`.
+            precision: the layer's precision.
+            scale: ``batch_size / table.batch_size`` (FLOPs and activations scale, weights not).
+        """
+        p = parse_precision(precision)
+        rate = self.rate(p, layer=row.name)
+        ratio = _ratio(p)
+        fwd_bytes = ((row.input_bytes + row.output_bytes) * scale + row.weight_bytes) * ratio
+        overhead = self.efficiency.kernel_overhead_s
+        compute = (row.forward_flops * scale / rate, row.backward_flops * scale / rate)
+        memory = (fwd_bytes / self._bandwidth, 2 * fwd_bytes / self._bandwidth)
+        return LayerCost(
+            name=row.name,
+            precision=p.value,
+            forward_s=max(compute[0], memory[0]) + overhead,
+            backward_s=max(compute[1], memory[1]) + 2 * overhead,
+            bound="compute" if sum(compute) >= sum(memory) else "memory",
+        )
+
+    def step(
+        self,
+        table: LayerTable,
+        policy: PrecisionPolicy | Mapping[str, str | Precision] | str | Precision,
+        optimizer: str = "sgd",
+        batch_size: int | None = None,
+    ) -> StepEstimate:
+        """Estimate one training step of the analysed model under ``policy``.
+
+        Args:
+            table: the model's layer table.
+            policy: a PrecisionPolicy, a ``{layer name: precision}`` map (layers it does not
+                name are fp32), or one precision for every layer.
+            optimizer: ``"sgd"`` (with momentum), ``"adam"`` or ``"adamw"``.
+            batch_size: samples per step; None keeps the table's batch size.
+
+        Raises:
+            CostModelError: unknown optimizer, bad batch size, or a precision the device
+                cannot run.
+        """
+        opt = optimizer.lower()
+        if opt not in OPTIMIZER_BYTES_PER_PARAM:
+            raise CostModelError(
+                f"unknown optimizer {optimizer!r}; expected one of "
+                f"{', '.join(OPTIMIZER_BYTES_PER_PARAM)}"
+            )
+        batch = table.batch_size if batch_size is None else batch_size
+        if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+            raise CostModelError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        scale = batch / table.batch_size
+        precision_for = _precision_lookup(policy)
+        layers, cast_s, other_s, params = [], 0.0, 0.0, 0
+        low_weights = activations = 0.0
+        previous = Precision.FP32  # the model input
+        for row in table.rows:
+            p = precision_for(row.name)
+            layers.append(self.layer_cost(row, p, scale))
+            ratio = _ratio(p)
+            in_bytes, out_bytes = row.input_bytes * scale, row.output_bytes * scale
+            if _storage(p) != _storage(previous):  # activation cast, forward and backward
+                cast_s += 2 * self._memory_s(in_bytes * (_ratio(previous) + ratio))
+            if ratio < 1:  # weight copy at the low format, once per step
+                cast_s += self._memory_s(row.weight_bytes * (1 + ratio))
+                low_weights += row.params * ratio * 4
+            if p is Precision.FP8:  # amax of input and weight
+                cast_s += self._memory_s(in_bytes + row.weight_bytes)
+            passes = ELEMENTWISE_PASSES
+            moved = out_bytes * ratio  # activations travel at the layer's output format
+            other_s += self._memory_s(passes * 2 * moved, passes)
+            other_s += self._memory_s(2 * passes * 2 * moved, 2 * passes)
+            activations += in_bytes * ratio + out_bytes
+            params += row.params
+            previous = p
+        optimizer_s = self._memory_s(OPTIMIZER_BYTES_PER_PARAM[opt] * params, len(table.rows))
+        forward_s = sum(c.forward_s for c in layers)
+        backward_s = sum(c.backward_s for c in layers)
+        step_s = forward_s + backward_s + optimizer_s + cast_s + other_s
+        memory = {
+            "master_weights": 4 * params,
+            "low_precision_weights": round(low_weights),
+            "gradients": 4 * params,
+            "optimizer_state": OPTIMIZER_STATE_BYTES_PER_PARAM[opt] * params,
+            "activations": round(activations),
+        }
+        return StepEstimate(
+            device=self.device.name,
+            batch_size=batch,
+            step_time_s=step_s,
+            forward_s=forward_s,
+            backward_s=backward_s,
+            optimizer_s=optimizer_s,
+            cast_s=cast_s,
+            other_s=other_s,
+            throughput=batch / step_s,
+            memory_bytes=sum(memory.values()),
+            memory=memory,
+            layers=tuple(layers),
+        )
+
+
+def _calibrated(device: str) -> Efficiency:
+    """The device's calibrated efficiency if a calibration exists, else the defaults."""
+    try:
+        from autoprec.hardware.calibration import load_efficiency
+    except ImportError:
+        return Efficiency()
+    found = load_efficiency(device)
+    return found if found is not None else Efficiency()
+
+
+def _precision_lookup(policy: Any) -> Any:
+    """A ``name -> Precision`` function for a policy, a mapping or a single precision."""
+    if isinstance(policy, (str, Precision)):
+        uniform = parse_precision(policy)
+        return lambda name: uniform
+    if hasattr(policy, "precision_for"):
+        return policy.precision_for
+    if isinstance(policy, Mapping):
+        parsed = {name: parse_precision(p) for name, p in policy.items()}
+        return lambda name: parsed.get(name, Precision.FP32)
+    raise CostModelError(
+        f"policy must be a PrecisionPolicy, a mapping of layer names to precisions or one "
+        f"precision; got {type(policy).__name__}"
+    )
+
+
+@functools.cache
+def _ratio(precision: Precision) -> float:
+    """Bytes per element at the layer's forward format, relative to fp32's 4."""
+    from autoprec.kernels.formats import get_format
+
+    return get_format(precision.forward_format).storage_bytes / 4
+
+
+def _storage(precision: Precision) -> str:
+    return "fp32" if precision.value in _WIDE else precision.forward_format
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _fraction(value: object, what: str) -> float:
+    if not _is_number(value) or not math.isfinite(value) or value <= 0:
+        raise CostModelError(f"{what} must be a fraction of peak > 0, e.g. 0.6; got {value!r}")
+    return float(value)
