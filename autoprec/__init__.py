@@ -21,7 +21,9 @@ _EXPORTS = {
     "analyze": "autoprec.graph",
     "apply_policy": "autoprec.runtime",
     "DataBundle": "autoprec.data",
+    "CostModel": "autoprec.hardware",
     "DeviceSpec": "autoprec.hardware",
+    "default_policy": "autoprec.hardware",
     "fake_quantize": "autoprec.kernels",
     "Format": "autoprec.kernels",
     "format_names": "autoprec.kernels",
@@ -65,7 +67,9 @@ if TYPE_CHECKING:  # pragma: no cover
         sensitivity,
     )
     from autoprec.hardware import (  # noqa: F401
+        CostModel,
         DeviceSpec,
+        default_policy,
         get_device,
         list_devices,
     )

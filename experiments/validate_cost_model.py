@@ -1,0 +1,263 @@
+"""Check the roofline cost model against published mixed-precision speedups.
+
+For every entry of experiments/published_speedups.yaml the script asks the cost model
+(autoprec.hardware.CostModel) for the speedup of the compare precision over the baseline one and
+sets it beside the published ratio. Model entries: whole training steps of a torchvision model
+(every tunable layer at one precision); gemm entries: one Linear layer's forward GEMM. Target:
+|predicted / published - 1| <= 25% on the ratio; absolute images/s are printed only as context.
+
+    python experiments/validate_cost_model.py                 # print the table
+    python experiments/validate_cost_model.py --write-docs    # also write docs/cost-model.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from benchlib import provenance, write_section
+
+HERE = Path(__file__).resolve().parent
+DOCS = HERE.parent / "docs" / "cost-model.md"
+INTRO = (
+    "# Cost model\n\n"
+    "`autoprec.hardware.CostModel` predicts the time of one training step of a model under a "
+    "per-layer precision policy on a given accelerator. It is a roofline model: each tunable "
+    "layer's forward and backward cost is the larger of its FLOPs over the device's dense peak "
+    "rate at that precision and its bytes over the memory bandwidth (both from "
+    "`autoprec/hardware/devices.yaml`), summed over the layers of the analysed graph.\n\n"
+    "The table below is written by `experiments/validate_cost_model.py`: it compares the "
+    "model's predicted speedup ratios with published measurements "
+    "(`experiments/published_speedups.yaml`, each entry with its source).\n"
+)
+TOLERANCE = 0.25
+
+
+@dataclass
+class Args:
+    data: Path = HERE / "published_speedups.yaml"
+    optimizer: str = "sgd"
+    tolerance: float = TOLERANCE
+    write_docs: bool = False
+    only: list[str] = field(default_factory=list)  # kinds to run; empty = all
+
+
+def parse() -> Args:
+    a = Args()
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data", type=Path, default=a.data)
+    p.add_argument("--optimizer", default=a.optimizer)
+    p.add_argument("--tolerance", type=float, default=a.tolerance)
+    p.add_argument("--only", nargs="*", choices=["model", "gemm"], default=[])
+    p.add_argument("--write-docs", action="store_true")
+    ns = p.parse_args()
+    return Args(
+        data=ns.data,
+        optimizer=ns.optimizer,
+        tolerance=ns.tolerance,
+        write_docs=ns.write_docs,
+        only=ns.only,
+    )
+
+
+# ---------------------------------------------------------------------------- published figures
+def load_entries(path: Path) -> list[dict[str, Any]]:
+    entries = yaml.safe_load(path.read_text())
+    if not isinstance(entries, list):
+        raise ValueError(f"{path}: expected a list of entries")
+    for i, e in enumerate(entries):
+        for key in ("source", "kind", "device", "baseline", "compare"):
+            if key not in e:
+                raise ValueError(f"{path}: entry {i} has no {key!r}")
+        if e["kind"] not in ("model", "gemm"):
+            raise ValueError(f"{path}: entry {i}: kind must be model or gemm, got {e['kind']!r}")
+    return entries
+
+
+def published_ratio(e: dict[str, Any]) -> float:
+    """compare over baseline speed, from throughputs, times or the printed ratio (in that order)."""
+    base, cmp = e["baseline"], e["compare"]
+    if "throughput" in base and "throughput" in cmp:
+        return cmp["throughput"] / base["throughput"]
+    if "ms" in base and "ms" in cmp:
+        return base["ms"] / cmp["ms"]
+    if "tflops" in base and "tflops" in cmp:
+        return cmp["tflops"] / base["tflops"]
+    if "published_speedup" in e:
+        return float(e["published_speedup"])
+    raise ValueError(f"{e['source']}: no throughputs, times, tflops or published_speedup")
+
+
+def per_gpu(side: dict[str, Any], e: dict[str, Any]) -> float | None:
+    """Published images/s per GPU (entries give per-GPU rows unless ``total: true``)."""
+    if "throughput" not in side:
+        return None
+    gpus = e.get("gpus", 1) if e.get("total") else 1
+    return side["throughput"] / gpus
+
+
+# ------------------------------------------------------------------------------ the predictions
+class _LinearSpec:
+    """Just enough of a ModelSpec for ``analyze``: one Linear(k, n) on a batch of m rows."""
+
+    def __init__(self, k: int, n: int) -> None:
+        self.name = f"linear_{k}x{n}"
+        self.module = torch.nn.Linear(k, n, bias=False)
+        self.k = k
+
+    def loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return out.float().mean()
+
+    def example_batch(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(n, self.k), torch.zeros(n, dtype=torch.long)
+
+
+def predict_model(e: dict[str, Any], cm: Any, optimizer: str) -> dict[str, float]:
+    from autoprec.graph import analyze
+    from autoprec.models import load_model
+
+    spec = load_model(e["model"], num_classes=1000, image_size=e.get("image_size"))
+    table = analyze(spec, 1)
+    out = {}
+    for side in ("baseline", "compare"):
+        batch = e[side].get("batch_size", e.get("batch_size"))
+        est = cm.step(table, e[side]["precision"], optimizer=optimizer, batch_size=batch)
+        out[f"{side}_s"] = est.step_time_s
+        out[f"{side}_ips"] = batch / est.step_time_s
+    # throughput ratio: per-image time, since the two sides may run different batch sizes
+    out["ratio"] = out["compare_ips"] / out["baseline_ips"]
+    return out
+
+
+def predict_gemm(e: dict[str, Any], cm: Any) -> dict[str, float]:
+    from autoprec.graph import analyze
+
+    m, n, k = (int(e["shape"][d]) for d in ("m", "n", "k"))
+    table = analyze(_LinearSpec(k, n), m)
+    (row,) = table.rows
+    t_base = cm.layer_cost(row, e["baseline"]["precision"]).forward_s
+    t_cmp = cm.layer_cost(row, e["compare"]["precision"]).forward_s
+    return {"baseline_s": t_base, "compare_s": t_cmp, "ratio": t_base / t_cmp}
+
+
+def evaluate(e: dict[str, Any], cost_model_cls: Any, args: Args) -> dict[str, Any]:
+    cm = cost_model_cls(e["device"])
+    pred = predict_model(e, cm, args.optimizer) if e["kind"] == "model" else predict_gemm(e, cm)
+    published = published_ratio(e)
+    err = pred["ratio"] / published - 1
+    return {"pred": pred, "published": published, "error": err, "ok": abs(err) <= args.tolerance}
+
+
+# ------------------------------------------------------------------------------------ the report
+def workload(e: dict[str, Any]) -> str:
+    if e["kind"] == "gemm":
+        s = e["shape"]
+        return f"GEMM m={s['m']} n={s['n']} k={s['k']} (fwd)"
+    b, c = e["baseline"], e["compare"]
+    bs = e.get("batch_size")
+    sizes = f"bs {b.get('batch_size', bs)}/{c.get('batch_size', bs)}"
+    if b.get("batch_size", bs) == c.get("batch_size", bs):
+        sizes = f"bs {bs}"
+    return f"{e['model']} {e.get('image_size', 224)}px, {sizes}"
+
+
+def short_source(e: dict[str, Any]) -> str:
+    text = e["source"].split(", '")[0]
+    return f"[{text}]({e['url']})" if e.get("url") else text
+
+
+def rows(entries: list[dict[str, Any]], results: list[dict[str, Any] | str]) -> list[str]:
+    lines = [
+        "| source | device | workload | precisions | published | predicted | error | within "
+        "25%? | images/s per GPU, published -> predicted |",
+        "|---|---|---|---|---:|---:|---:|---|---|",
+    ]
+    for e, r in zip(entries, results, strict=True):
+        device = e["device"] + (" (proxy)" if e.get("device_proxy") else "")
+        precs = f"{e['baseline']['precision']} -> {e['compare']['precision']}"
+        head = f"| {short_source(e)} | {device} | {workload(e)} | {precs} |"
+        if isinstance(r, str):
+            lines.append(f"{head} {published_ratio(e):.2f}x | - | - | not run: {r} | - |")
+            continue
+        ctx = "-"
+        if e["kind"] == "model":
+            pb, pc = per_gpu(e["baseline"], e), per_gpu(e["compare"], e)
+            ctx = (
+                f"{pb:.0f} -> {r['pred']['baseline_ips']:.0f}; "
+                f"{pc:.0f} -> {r['pred']['compare_ips']:.0f}"
+            )
+        lines.append(
+            f"{head} {r['published']:.2f}x | {r['pred']['ratio']:.2f}x | {r['error']:+.0%} | "
+            f"{'yes' if r['ok'] else 'no'} | {ctx} |"
+        )
+    return lines
+
+
+def summary(results: list[dict[str, Any] | str], tolerance: float) -> str:
+    done = [r for r in results if not isinstance(r, str)]
+    if not done:
+        return "No entry could be evaluated."
+    ok = sum(r["ok"] for r in done)
+    med = statistics.median(abs(r["error"]) for r in done)
+    skipped = len(results) - len(done)
+    return (
+        f"**{ok} of {len(done)}** entries within {tolerance:.0%} of the published ratio; median "
+        f"|error| {med:.0%}" + (f"; {skipped} not run." if skipped else ".")
+    )
+
+
+def write_docs(body: str) -> None:
+    if not DOCS.exists():
+        DOCS.parent.mkdir(parents=True, exist_ok=True)
+        tmp = DOCS.with_suffix(".tmp")
+        tmp.write_text(INTRO)
+        tmp.replace(DOCS)
+    write_section("validate_cost_model", body, path=DOCS)
+
+
+def main(args: Args | None = None, cost_model_cls: Any = None) -> list[dict[str, Any] | str]:
+    args = args or parse()
+    if cost_model_cls is None:
+        from autoprec.hardware import CostModel as cost_model_cls
+    entries = [e for e in load_entries(args.data) if not args.only or e["kind"] in args.only]
+    results: list[dict[str, Any] | str] = []
+    for e in entries:
+        try:
+            results.append(evaluate(e, cost_model_cls, args))
+        except Exception as exc:  # noqa: BLE001 - one bad entry must not hide the others
+            results.append(f"{type(exc).__name__}: {exc}".replace("|", "/")[:120])
+    table = "\n".join(rows(entries, results))
+    root = HERE.parent
+    data = (
+        args.data.resolve().relative_to(root)
+        if args.data.resolve().is_relative_to(root)
+        else args.data
+    )
+    header = provenance("python experiments/validate_cost_model.py --write-docs") + (
+        f"Data: `{data}`"
+        f" ({len(entries)} entries). Ratio = compare speed / baseline speed. Model rows: one "
+        f"training step (`CostModel.step`, optimizer `{args.optimizer}`) with every tunable layer "
+        "at the named precision, at the published per-GPU batch size of each side; images/s per "
+        "GPU are context only. GEMM rows: the forward GEMM of one `Linear(k, n)` on m rows "
+        "(`CostModel.layer_cost(...).forward_s`). AMP in NVIDIA's PyTorch examples is fp16 "
+        "autocast. `(proxy)`: the measured GPU is not in the device database and the named slug "
+        "stands in (see each entry's note)."
+    )
+    line = summary(results, args.tolerance)
+    print(header)
+    print()
+    print(table)
+    print()
+    print(line)
+    if args.write_docs:
+        write_docs(f"## Validation against published speedups\n\n{header}\n\n{table}\n\n{line}\n")
+    return results
+
+
+if __name__ == "__main__":
+    main()
