@@ -185,25 +185,35 @@ def _round_like_runtime(t: torch.Tensor, precision: Precision, stream: str) -> t
 # --- methods -----------------------------------------------------------------------------------
 
 
-def _sweep(model, spec, x, y, names, precisions, ref_loss, ref_grad, progress):
+def _grid(names, precisions, measure, progress):
+    """Fill the [layer][precision] matrices; fp32 is the reference (no change, cosine 1)."""
     loss_delta, cosine = [], []
-    guard = GuardConfig(count=False)
-    for name in names:
+    for i, name in enumerate(names):
         row_l, row_c = [], []
         for p in precisions:
             if p is Precision.FP32:
-                row_l.append(0.0)
-                row_c.append(1.0)
-                continue
-            with apply_policy(model, {name: p}, mode="emulate", guard=guard):
-                loss, grad = _loss_and_grad(model, spec, x, y)
-            row_l.append((loss - ref_loss) / abs(ref_loss) if math.isfinite(loss) else math.inf)
-            row_c.append(_cosine(grad, ref_grad))
-            if progress:
-                progress()
+                change, cos = 0.0, 1.0
+            else:
+                change, cos = measure(i, name, p)
+                if progress:
+                    progress()
+            row_l.append(change)
+            row_c.append(cos)
         loss_delta.append(tuple(row_l))
         cosine.append(tuple(row_c))
     return loss_delta, cosine
+
+
+def _sweep(model, spec, x, y, names, precisions, ref_loss, ref_grad, progress):
+    guard = GuardConfig(count=False)
+
+    def measure(i, name, p):
+        with apply_policy(model, {name: p}, mode="emulate", guard=guard):
+            loss, grad = _loss_and_grad(model, spec, x, y)
+        change = (loss - ref_loss) / abs(ref_loss) if math.isfinite(loss) else math.inf
+        return change, _cosine(grad, ref_grad)
+
+    return _grid(names, precisions, measure, progress)
 
 
 def _taylor(model, spec, x, y, names, precisions, ref_loss, progress):
@@ -249,40 +259,31 @@ def _taylor(model, spec, x, y, names, precisions, ref_loss, progress):
     }
     total_sq = float(_flat_grad(model).pow(2).sum()) or 1.0
     upstream = list(itertools.accumulate(grad_sq[n] for n in names))  # execution order
-    loss_delta, cosine = [], []
-    for i, name in enumerate(names):
+
+    def measure(i, name, p):
         m, s = modules[name], saved[name]
-        weights = [p for n, p in m.named_parameters() if "bias" not in n and p.grad is not None]
-        row_l, row_c = [], []
-        for p in precisions:
-            if p is Precision.FP32:
-                row_l.append(0.0)
-                row_c.append(1.0)
-                continue
-            first = second = rel_fwd = 0.0
-            pairs = [(w.detach(), w.grad) for w in weights]
-            if "x" in s and s["x"].grad is not None:
-                pairs.append((s["x"].detach(), s["x"].grad))
-            for t, g in pairs:
-                d = (_round_like_runtime(t, p, "forward") - t).double()
-                gd = g.double()
-                first += float((gd * d).sum())
-                second += 0.5 * float((gd.pow(2) * d.pow(2)).sum())
-                rel_fwd += float(d.pow(2).sum() / t.double().pow(2).sum().clamp_min(1e-300))
-            rel_bwd = 0.0
-            if "go" in s:
-                go = s["go"]
-                dgo = (_round_like_runtime(go, p, "grad_output") - go).double()
-                rel_bwd = float(dgo.pow(2).sum() / go.double().pow(2).sum().clamp_min(1e-300))
-            row_l.append((first + second) / abs(ref_loss))
-            distance = 0.5 * (rel_fwd + upstream[i] / total_sq * min(rel_bwd, 4.0))
-            row_c.append(1.0 - min(distance, 2.0))
-            if progress:
-                progress()
-        loss_delta.append(tuple(row_l))
-        cosine.append(tuple(row_c))
+        weights = [w for n, w in m.named_parameters() if "bias" not in n and w.grad is not None]
+        first = second = rel_fwd = 0.0
+        pairs = [(w.detach(), w.grad) for w in weights]
+        if "x" in s and s["x"].grad is not None:
+            pairs.append((s["x"].detach(), s["x"].grad))
+        for t, g in pairs:
+            d = (_round_like_runtime(t, p, "forward") - t).double()
+            gd = g.double()
+            first += float((gd * d).sum())
+            second += 0.5 * float((gd.pow(2) * d.pow(2)).sum())
+            rel_fwd += float(d.pow(2).sum() / t.double().pow(2).sum().clamp_min(1e-300))
+        rel_bwd = 0.0
+        if "go" in s:
+            go = s["go"]
+            dgo = (_round_like_runtime(go, p, "grad_output") - go).double()
+            rel_bwd = float(dgo.pow(2).sum() / go.double().pow(2).sum().clamp_min(1e-300))
+        distance = 0.5 * (rel_fwd + upstream[i] / total_sq * min(rel_bwd, 4.0))
+        return (first + second) / abs(ref_loss), 1.0 - min(distance, 2.0)
+
+    result = _grid(names, precisions, measure, progress)
     model.zero_grad(set_to_none=True)
-    return loss_delta, cosine
+    return result
 
 
 def sensitivity(
