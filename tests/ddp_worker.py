@@ -41,4 +41,5 @@ def train(rank: int, world: int, init_file: str, out_dir: str) -> None:
         "state_keys": list(model.state_dict()),
     }
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.barrier()  # neither rank tears the group (and its file store) down under the other
     dist.destroy_process_group()
