@@ -48,6 +48,9 @@ class LayerRow:
     calls: int
     default_precision: str
     position: float  # relative depth in [0, 1]
+    # bytes written by the non-tunable modules (norms, activations, pooling, ...) that run
+    # after this layer and before the next tunable one, at fp32; -1 when not measured
+    elementwise_bytes: int = -1
 
     @property
     def flops(self) -> int:
@@ -176,6 +179,19 @@ def analyze(spec: Any, batch: int | tuple[torch.Tensor, torch.Tensor] = 2) -> La
             calls[name] = calls.get(name, 0) + 1
 
         hooks.append(module.register_forward_hook(hook))
+    # Element-wise work between tunable layers: the outputs of the leaf modules that are not
+    # tunable, charged to the tunable layer that ran last before them.
+    after: dict[str, int] = {}
+    inside = {id(m) for layer in layers.values() for m in layer.modules()}
+    for module in model.modules():
+        if id(module) in inside or any(True for _ in module.children()):
+            continue
+
+        def other_hook(mod, args, output):
+            if order:
+                after[order[-1]] = after.get(order[-1], 0) + _nbytes(output)
+
+        hooks.append(module.register_forward_hook(other_hook))
     root = type(model).__name__
     model.train()
     try:
@@ -183,6 +199,7 @@ def analyze(spec: Any, batch: int | tuple[torch.Tensor, torch.Tensor] = 2) -> La
             model(x)
         calls.clear()
         order.clear()
+        after.clear()
         with FlopCounterMode(display=False) as both_counter:
             loss = spec.loss(model(x), y)
             loss.backward()
@@ -194,6 +211,12 @@ def analyze(spec: Any, batch: int | tuple[torch.Tensor, torch.Tensor] = 2) -> La
     rows = []
     for index, name in enumerate(order):
         module = layers[name]
+        backward = both.get(name, 0) - fwd.get(name, 0)
+        if isinstance(module, nn.modules.conv._ConvNd) and module.groups > 1 and backward:
+            # torch.utils.flop_counter ignores groups in convolution_backward (a depthwise
+            # conv's backward comes out ~channels times too large). Each gradient a convolution
+            # computes (input, weight) costs what its forward costs.
+            backward = fwd.get(name, 0) * (1 if index == 0 else 2)
         params = sum(p.numel() for p in module.parameters())
         weight_bytes = sum(p.numel() * 4 for n, p in module.named_parameters() if "bias" not in n)
         fan_in, fan_out, kernel, stride = _geometry(module)
@@ -206,7 +229,7 @@ def analyze(spec: Any, batch: int | tuple[torch.Tensor, torch.Tensor] = 2) -> La
                 last=index == len(order) - 1,
                 params=params,
                 forward_flops=fwd.get(name, 0),
-                backward_flops=both.get(name, 0) - fwd.get(name, 0),
+                backward_flops=backward,
                 input_bytes=io_bytes[name][0],
                 weight_bytes=weight_bytes,
                 output_bytes=io_bytes[name][1],
@@ -217,6 +240,7 @@ def analyze(spec: Any, batch: int | tuple[torch.Tensor, torch.Tensor] = 2) -> La
                 calls=calls[name],
                 default_precision=_seed_rule(module),
                 position=index / max(1, len(order) - 1),
+                elementwise_bytes=after.get(name, 0),
             )
         )
     return LayerTable(

@@ -82,3 +82,22 @@ def test_attention_counts_as_one_layer_and_json_round_trips(tmp_path):
     doc = json.loads(path.read_text())
     assert [d["name"] for d in doc["layers"]] == table.names
     assert doc["flop_unit"] == FLOP_UNIT
+
+
+def test_grouped_convolution_backward_flops():
+    """torch's flop counter ignores groups in convolution_backward; analyze corrects it."""
+    model = nn.Sequential(
+        nn.Conv2d(8, 8, 3, padding=1),
+        nn.Conv2d(8, 8, 3, padding=1, groups=8),  # depthwise
+        nn.Conv2d(8, 8, 3, padding=1, groups=2),
+    )
+
+    class Images(Spec):
+        def loss(self, output, target):
+            return output.mean()
+
+    table = analyze(Images("grouped", model, (8, 6, 6)), 2)
+    for name in ("1", "2"):
+        row = table[name]
+        assert row.forward_flops == 2 * 36 * 8 * 9 * (8 // model[int(name)].groups) * 2
+        assert row.backward_flops == 2 * row.forward_flops
