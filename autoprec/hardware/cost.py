@@ -27,11 +27,13 @@ kernel overhead per kernel):
   input at the predecessor's format and writes it at the layer's, in forward and again for the
   gradient in backward. Every layer stored below fp32 casts its weight once per step (read fp32,
   write low). fp8 adds amax/scale work: one extra fp32 read of input and weight.
-- Element-wise and normalisation work (``other_s``): assumed to be 3 memory passes (read +
-  write) over each tunable layer's output forward and twice that in backward (one kernel per
-  pass) -- roughly a norm, an activation and a residual add per layer. The arithmetic stays
-  fp32, but the tensors move at the layer's output format, as under torch.autocast (a bf16
-  convolution hands bf16 activations to its batch norm and ReLU).
+- Element-wise and normalisation work (``other_s``): the analysis measures the bytes written by
+  the non-tunable modules (norms, activations, pooling) that run after each tunable layer
+  (``LayerRow.elementwise_bytes``); each is read and written once forward and about twice that
+  in backward. Functional ops (residual adds) are not modules and are not counted. Without that
+  measurement, 3 passes (read + write) over the layer's output forward and twice that backward
+  are assumed. The arithmetic stays fp32, but the tensors move at the layer's output format,
+  as under torch.autocast (a bf16 convolution hands bf16 activations to its batch norm).
 - Optimizer (``optimizer_s``): SGD with momentum moves ~4 x 4 bytes per parameter, Adam(W)
   ~7 x 4 bytes, one kernel per tunable layer. Only the tunable layers' parameters are counted
   (normalisation parameters are small).
@@ -300,9 +302,14 @@ class CostModel:
             if p is Precision.FP8:  # amax of input and weight
                 cast_s += self._memory_s(in_bytes + row.weight_bytes)
             passes = ELEMENTWISE_PASSES
-            moved = out_bytes * ratio  # activations travel at the layer's output format
-            other_s += self._memory_s(passes * 2 * moved, passes)
-            other_s += self._memory_s(2 * passes * 2 * moved, 2 * passes)
+            if row.elementwise_bytes >= 0:  # measured: the outputs of the modules in between
+                written = row.elementwise_bytes * scale * ratio
+                other_s += self._memory_s(2 * written, passes)  # read input, write output
+                other_s += self._memory_s(2 * 2 * written, 2 * passes)  # backward: about twice
+            else:  # not measured: assume a norm, an activation and an add on the output
+                moved = out_bytes * ratio  # activations travel at the layer's output format
+                other_s += self._memory_s(passes * 2 * moved, passes)
+                other_s += self._memory_s(2 * passes * 2 * moved, 2 * passes)
             activations += in_bytes * ratio + out_bytes
             params += row.params
             previous = p
