@@ -72,6 +72,7 @@ def test_wheel_maps_the_folders_into_autoprec(tmp_path):
         for source in (ROOT / folder).rglob("*.py"):
             installed = f"{package}/{source.relative_to(ROOT / folder).as_posix()}"
             assert installed in names, f"{source} is missing from the wheel (pyproject packages?)"
+    assert "autoprec/hardware/devices.yaml" in names  # package data: the accelerator database
     assert not any(n.startswith(("kernels/", "envs/", "agents/", "tests/")) for n in names)
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "autoprec = autoprec.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
