@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from autoprec.layers import model_fingerprint, tunable_layers
@@ -48,9 +50,14 @@ class LayerRow:
     calls: int
     default_precision: str
     position: float  # relative depth in [0, 1]
-    # bytes written by the non-tunable modules (norms, activations, pooling, ...) that run
-    # after this layer and before the next tunable one, at fp32; -1 when not measured
-    elementwise_bytes: int = -1
+    # Memory traffic (bytes read + written, at fp32) and kernel count of every op that is not a
+    # matmul/convolution from this layer's start to the next tunable layer's: norms,
+    # activations, pooling, residual adds, bias and softmax work. Backward is the measured
+    # backward total shared out in proportion to forward traffic. -1: not measured.
+    other_bytes_forward: int = -1
+    other_bytes_backward: int = -1
+    other_ops_forward: int = -1
+    other_ops_backward: int = -1
 
     @property
     def flops(self) -> int:
@@ -149,6 +156,64 @@ def _module_flops(counts: dict, root: str) -> dict[str, int]:
     return out
 
 
+_MATMUL_OPS = {
+    "aten.convolution",
+    "aten._convolution",
+    "aten.convolution_backward",
+    "aten.mm",
+    "aten.addmm",
+    "aten.bmm",
+    "aten.baddbmm",
+}
+
+
+class _Traffic(TorchDispatchMode):
+    """Bytes read + written and kernels of every non-matmul op, by the tunable layer running.
+
+    Views move no data and are skipped. Ops before the first tunable layer count towards it.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.current: str | None = None
+        self.in_backward = False
+        self.forward: dict[str | None, list[int]] = {}
+        self.backward = [0, 0]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view and str(func.overloadpacket) not in _MATMUL_OPS:
+            nbytes = sum(
+                t.numel() * t.element_size()
+                for t in tree_leaves((args, kwargs, out))
+                if isinstance(t, torch.Tensor)
+            )
+            if self.in_backward:
+                slot = self.backward
+            else:
+                slot = self.forward.setdefault(self.current, [0, 0])
+            slot[0] += nbytes
+            slot[1] += 1
+        return out
+
+    def per_layer(self, order: list[str]) -> dict[str, tuple[int, int, int, int]]:
+        """(forward bytes, backward bytes, forward ops, backward ops) per layer."""
+        forward = {name: list(self.forward.get(name, [0, 0])) for name in order}
+        if order and None in self.forward:  # before the first tunable layer
+            forward[order[0]][0] += self.forward[None][0]
+            forward[order[0]][1] += self.forward[None][1]
+        total = sum(b for b, _ in forward.values()) or 1
+        return {
+            name: (
+                b,
+                round(self.backward[0] * b / total),
+                n,
+                round(self.backward[1] * b / total),
+            )
+            for name, (b, n) in forward.items()
+        }
+
+
 def analyze(spec: Any, batch: int | tuple[torch.Tensor, torch.Tensor] = 2) -> LayerTable:
     """Analyse ``spec.module`` on one batch.
 
@@ -179,19 +244,13 @@ def analyze(spec: Any, batch: int | tuple[torch.Tensor, torch.Tensor] = 2) -> La
             calls[name] = calls.get(name, 0) + 1
 
         hooks.append(module.register_forward_hook(hook))
-    # Element-wise work between tunable layers: the outputs of the leaf modules that are not
-    # tunable, charged to the tunable layer that ran last before them.
-    after: dict[str, int] = {}
-    inside = {id(m) for layer in layers.values() for m in layer.modules()}
-    for module in model.modules():
-        if id(module) in inside or any(True for _ in module.children()):
-            continue
+    traffic = _Traffic()
+    for name, module in layers.items():
 
-        def other_hook(mod, args, output):
-            if order:
-                after[order[-1]] = after.get(order[-1], 0) + _nbytes(output)
+        def starts(mod, args, name=name):
+            traffic.current = name
 
-        hooks.append(module.register_forward_hook(other_hook))
+        hooks.append(module.register_forward_pre_hook(starts))
     root = type(model).__name__
     model.train()
     try:
@@ -199,15 +258,16 @@ def analyze(spec: Any, batch: int | tuple[torch.Tensor, torch.Tensor] = 2) -> La
             model(x)
         calls.clear()
         order.clear()
-        after.clear()
-        with FlopCounterMode(display=False) as both_counter:
+        with FlopCounterMode(display=False) as both_counter, traffic:
             loss = spec.loss(model(x), y)
+            traffic.in_backward = True  # backward: one pool, shared out below
             loss.backward()
     finally:
         for h in hooks:
             h.remove()
     fwd = _module_flops(fwd_counter.get_flop_counts(), root)
     both = _module_flops(both_counter.get_flop_counts(), root)
+    other = traffic.per_layer(order)
     rows = []
     for index, name in enumerate(order):
         module = layers[name]
@@ -240,7 +300,10 @@ def analyze(spec: Any, batch: int | tuple[torch.Tensor, torch.Tensor] = 2) -> La
                 calls=calls[name],
                 default_precision=_seed_rule(module),
                 position=index / max(1, len(order) - 1),
-                elementwise_bytes=after.get(name, 0),
+                other_bytes_forward=other[name][0],
+                other_bytes_backward=other[name][1],
+                other_ops_forward=other[name][2],
+                other_ops_backward=other[name][3],
             )
         )
     return LayerTable(

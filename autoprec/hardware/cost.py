@@ -27,13 +27,13 @@ kernel overhead per kernel):
   input at the predecessor's format and writes it at the layer's, in forward and again for the
   gradient in backward. Every layer stored below fp32 casts its weight once per step (read fp32,
   write low). fp8 adds amax/scale work: one extra fp32 read of input and weight.
-- Element-wise and normalisation work (``other_s``): the analysis measures the bytes written by
-  the non-tunable modules (norms, activations, pooling) that run after each tunable layer
-  (``LayerRow.elementwise_bytes``); each is read and written once forward and about twice that
-  in backward. Functional ops (residual adds) are not modules and are not counted. Without that
-  measurement, 3 passes (read + write) over the layer's output forward and twice that backward
-  are assumed. The arithmetic stays fp32, but the tensors move at the layer's output format,
-  as under torch.autocast (a bf16 convolution hands bf16 activations to its batch norm).
+- Element-wise and normalisation work (``other_s``): the analysis measures, on the meta
+  device, the bytes read and written and the number of kernels of every op that is not a
+  matmul or convolution (norms, activations, pooling, residual adds, softmax), forward and
+  backward (``LayerRow.other_bytes_*``, ``other_ops_*``). The arithmetic stays fp32, but the
+  tensors move at the layer's output format, as under torch.autocast (a bf16 convolution hands
+  bf16 activations to its batch norm). Without that measurement, 3 passes (read + write) over
+  the layer's output forward and twice that backward are assumed.
 - Optimizer (``optimizer_s``): SGD with momentum moves ~4 x 4 bytes per parameter, Adam(W)
   ~7 x 4 bytes, one kernel per tunable layer. Only the tunable layers' parameters are counted
   (normalisation parameters are small).
@@ -302,11 +302,12 @@ class CostModel:
             if p is Precision.FP8:  # amax of input and weight
                 cast_s += self._memory_s(in_bytes + row.weight_bytes)
             passes = ELEMENTWISE_PASSES
-            if row.elementwise_bytes >= 0:  # measured: the outputs of the modules in between
-                written = row.elementwise_bytes * scale * ratio
-                other_s += self._memory_s(2 * written, passes)  # read input, write output
-                other_s += self._memory_s(2 * 2 * written, 2 * passes)  # backward: about twice
+            if row.other_bytes_forward >= 0:  # measured traffic of the non-matmul ops
+                moved = (row.other_bytes_forward + row.other_bytes_backward) * scale * ratio
+                kernels = row.other_ops_forward + row.other_ops_backward
+                other_s += self._memory_s(moved, kernels)
             else:  # not measured: assume a norm, an activation and an add on the output
+                passes = ELEMENTWISE_PASSES
                 moved = out_bytes * ratio  # activations travel at the layer's output format
                 other_s += self._memory_s(passes * 2 * moved, passes)
                 other_s += self._memory_s(2 * passes * 2 * moved, 2 * passes)

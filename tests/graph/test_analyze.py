@@ -101,3 +101,13 @@ def test_grouped_convolution_backward_flops():
         row = table[name]
         assert row.forward_flops == 2 * 36 * 8 * 9 * (8 // model[int(name)].groups) * 2
         assert row.backward_flops == 2 * row.forward_flops
+
+
+def test_traffic_of_the_work_between_layers():
+    """Bytes read + written by non-matmul ops, charged to the tunable layer running."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    table = analyze(Spec("mlp", model, (8,)), 2)
+    first, last = table["0"], table["2"]
+    assert (first.other_bytes_forward, first.other_ops_forward) == (2 * 2 * 8 * 4, 1)  # relu
+    assert last.other_ops_forward >= 1  # the loss
+    assert first.other_bytes_backward > 0 and last.other_bytes_backward > 0
