@@ -23,6 +23,7 @@ _EXPORTS = {
     "DataBundle": "autoprec.data",
     "CostModel": "autoprec.hardware",
     "DeviceSpec": "autoprec.hardware",
+    "Evaluator": "autoprec.evaluate",
     "default_policy": "autoprec.hardware",
     "fake_quantize": "autoprec.kernels",
     "Format": "autoprec.kernels",
@@ -37,6 +38,7 @@ _EXPORTS = {
     "load_model": "autoprec.models",
     "load_policy": "autoprec.policy_io",
     "LossScaler": "autoprec.runtime",
+    "Metrics": "autoprec.evaluate",
     "LossScalingConfig": "autoprec.policy",
     "model_fingerprint": "autoprec.layers",
     "ModelSpec": "autoprec.models",
@@ -59,6 +61,10 @@ if TYPE_CHECKING:  # pragma: no cover
     from autoprec.data import (  # noqa: F401
         DataBundle,
         load_dataset,
+    )
+    from autoprec.evaluate import (  # noqa: F401
+        Evaluator,
+        Metrics,
     )
     from autoprec.graph import (  # noqa: F401
         LayerTable,

@@ -1,0 +1,407 @@
+"""Evaluate a precision policy: fine-tune from a cached fp32 warm start, score, cost.
+
+Every policy starts from the same fp32 warm start (``warm_start_steps`` SGD steps, trained once
+per model architecture, data, seed and settings and kept on disk), fine-tunes for the same
+number of steps on the same fixed batches with the policy applied, and is then scored with the
+policy still applied: loss over the whole training split, accuracy and loss on the validation
+split. The uniform fp32 policy, evaluated the same way, is the reference of every delta.
+
+Step time and memory are measured (CUDA events, peak allocated memory) when the target is the
+local CUDA device, and come from :class:`autoprec.hardware.CostModel` otherwise.
+
+Example:
+    >>> from autoprec.models import load_model
+    >>> from autoprec.data import load_dataset_for
+    >>> spec = load_model("tinycnn", num_classes=10)
+    >>> ev = Evaluator(spec, load_dataset_for(spec, "digits"), target="a100-40gb-sxm")
+    >>> m = ev.evaluate("bf16")  # doctest: +SKIP
+    >>> m.loss_delta, m.speedup, m.source  # doctest: +SKIP
+    (0.0021, 1.87, 'model')
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import itertools
+import json
+import logging
+import math
+import statistics
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoprec.evaluate._store import (
+    EvaluationStore,
+    default_cache_dir,
+    load_state,
+    save_state_atomic,
+)
+from autoprec.evaluate.metrics import Metrics
+from autoprec.hardware import CostModel, DeviceSpec, detect, get_device
+from autoprec.hardware.defaults import amp_policy
+from autoprec.layers import model_fingerprint
+from autoprec.policy import PrecisionPolicy
+from autoprec.precision import Precision, parse_precision
+from autoprec.runtime import LossScaler, apply_policy
+
+log = logging.getLogger(__name__)
+
+FIDELITIES = ("short", "full")
+FULL_STEPS = 200
+SHORT_STEPS = 30
+DIVERGENCE_FACTOR = 10.0  # a final loss above this many times fp32's counts as diverged
+PENALTY_LOSS_DELTA = 10.0  # loss_delta of a diverged run (any other run has at most 9.0)
+SCORE_BATCH = 256
+
+
+@dataclass
+class _Run:
+    """What one fine-tuning run produced (before it is compared with the reference)."""
+
+    loss: float = math.nan
+    val_loss: float = math.nan
+    accuracy: float = 0.0
+    step_time_s: float | None = None  # measured runs only
+    memory_bytes: int | None = None
+    overflows: int = 0
+    underflows: int = 0
+    loss_scale: dict[str, Any] = dataclasses.field(default_factory=dict)
+    diverged: bool = False
+    out_of_memory: bool = False
+    wall_time_s: float = 0.0
+
+
+def _sha(obj: Any) -> str:
+    text = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+class Evaluator:
+    """Scores precision policies of one model on one dataset for one target.
+
+    Args:
+        spec: a ModelSpec (``module``, ``loss``, ``logits``, ``name``); its module is not changed.
+        data: a DataBundle (``loader``, ``fixed_batches``, ``key``).
+        target: a device name or DeviceSpec; None detects the local one.
+        fidelity: default fidelity, ``"short"`` (``steps`` or 30 steps) or ``"full"`` (200).
+        steps: fine-tuning steps at ``"short"`` fidelity.
+        batch_size: examples per fine-tuning (and warm-start) step.
+        lr: SGD learning rate (momentum 0.9) for warm start and fine-tuning.
+        warm_start_steps: fp32 steps from the spec's weights before any policy is applied.
+        seed: seeds the warm-start loader, the fixed batches and torch before each run.
+        cache_dir: where ``warmstart/*.pt`` and ``evaluations.sqlite`` live; None means
+            ``$AUTOPREC_CACHE_DIR`` or ``~/.cache/autoprec``.
+
+    Divergence (a non-finite loss while fine-tuning, an exception in training, or a final
+    loss above 10x fp32's) never raises: the result has ``diverged=True``, ``accuracy=0``,
+    ``loss = 11 x fp32_loss`` (so ``loss_delta = 10.0``, above any run that did not diverge)
+    and ``val_loss = 11 x`` fp32's. Precisions the target cannot run are still evaluated
+    (emulated) with ``feasible=False``; their cost is estimated as fp32 for those layers. Out
+    of memory on a measured run gives ``feasible=False`` with the same penalties.
+
+    Attributes:
+        runs: fine-tuning runs done by this instance (cache hits do not count).
+        warm_start_trained: whether this instance trained the warm start (False: loaded).
+    """
+
+    def __init__(
+        self,
+        spec: Any,
+        data: Any,
+        target: str | DeviceSpec | None = None,
+        fidelity: str = "short",
+        *,
+        steps: int | None = None,
+        batch_size: int = 32,
+        lr: float = 0.05,
+        warm_start_steps: int = 200,
+        seed: int = 0,
+        cache_dir: str | Path | None = None,
+    ) -> None:
+        self.spec = spec
+        self.data = data
+        self.device = detect() if target is None else get_device(target)
+        self.fidelity = self._check_fidelity(fidelity)
+        if steps is not None and (not isinstance(steps, int) or steps < 1):
+            raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+        self.steps = {"short": steps or SHORT_STEPS, "full": FULL_STEPS}
+        self.batch_size = batch_size
+        self.lr = lr
+        self.warm_start_steps = warm_start_steps
+        self.seed = seed
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        self.measured = torch.cuda.is_available() and detect().name == self.device.name
+        self.mode = "native" if self.measured else "emulate"
+        self.fingerprint = model_fingerprint(spec.module)
+        warm = {"steps": warm_start_steps, "lr": lr, "batch_size": batch_size}
+        self._warm_key = _sha([self.fingerprint, data.key, seed, warm])
+        settings = {**warm, "device": self.device.name, "mode": self.mode, "steps": self.steps}
+        self._settings_key = _sha([self.fingerprint, data.key, seed, settings])
+        self._store = EvaluationStore(self.cache_dir / "evaluations.sqlite")
+        self._memo: dict[str, Metrics] = {}
+        self._warm_state: dict[str, torch.Tensor] | None = None
+        self._table: Any = None
+        self._amp_runs: dict[str, _Run] = {}
+        self._cost = CostModel(self.device)
+        self.runs = 0
+        self.warm_start_trained = False
+
+    # --- public -----------------------------------------------------------------------------
+    @property
+    def warm_start_path(self) -> Path:
+        """The file holding the fp32 warm-start weights."""
+        return self.cache_dir / "warmstart" / f"{self._warm_key}.pt"
+
+    def evaluate(self, policy: Any, fidelity: str | None = None) -> Metrics:
+        """Metrics of ``policy`` (a PrecisionPolicy, a precision name, or ``{layer: precision}``).
+
+        Served from the cache (memory, then SQLite) when this policy was evaluated before with
+        the same settings and fidelity.
+        """
+        policy = self._as_policy(policy)
+        fid = self._check_fidelity(fidelity or self.fidelity)
+        reference = self._reference(fid)
+        return self._cached(policy, fid, lambda: self._score(policy, fid, reference))
+
+    def reference(self, fidelity: str | None = None) -> Metrics:
+        """Metrics of the uniform fp32 policy (computed once, cached)."""
+        return self._reference(self._check_fidelity(fidelity or self.fidelity))
+
+    # --- policies and cache -----------------------------------------------------------------
+    @staticmethod
+    def _check_fidelity(fidelity: str) -> str:
+        if fidelity not in FIDELITIES:
+            extra = " ('surrogate' is not implemented yet)" if fidelity == "surrogate" else ""
+            raise ValueError(
+                f"unknown fidelity {fidelity!r}; expected one of {', '.join(FIDELITIES)}{extra}"
+            )
+        return fidelity
+
+    @staticmethod
+    def _as_policy(policy: Any) -> PrecisionPolicy:
+        if isinstance(policy, PrecisionPolicy):
+            return policy
+        if isinstance(policy, (str, Precision)):
+            return PrecisionPolicy.uniform(parse_precision(policy))
+        if isinstance(policy, Mapping):
+            return PrecisionPolicy(default=Precision.FP32, layers=dict(policy))
+        raise TypeError(
+            "policy must be a PrecisionPolicy, a precision name such as 'bf16', or a "
+            f"{{layer name: precision}} mapping; got {type(policy).__name__}"
+        )
+
+    def _key(self, policy: PrecisionPolicy, fidelity: str) -> str:
+        resolved = [[n, p.value] for n, p in policy.resolve(self.spec.module).items()]
+        ls = policy.loss_scaling
+        scaling = None if ls is None else dataclasses.asdict(ls)
+        return _sha([self._settings_key, fidelity, resolved, scaling])
+
+    def _cached(self, policy: PrecisionPolicy, fidelity: str, compute: Any) -> Metrics:
+        key = self._key(policy, fidelity)
+        if key in self._memo:
+            return self._memo[key]
+        stored = self._store.get(key)
+        if stored is not None:
+            metrics = Metrics.from_dict(stored)
+        else:
+            metrics = compute()
+            self._store.put(key, metrics.to_dict())
+        self._memo[key] = metrics
+        return metrics
+
+    def _reference(self, fidelity: str) -> Metrics:
+        fp32 = PrecisionPolicy.uniform(Precision.FP32)
+        return self._cached(fp32, fidelity, lambda: self._score(fp32, fidelity, None))
+
+    # --- warm start -------------------------------------------------------------------------
+    def _warm_start(self) -> dict[str, torch.Tensor]:
+        if self._warm_state is not None:
+            return self._warm_state
+        path = self.warm_start_path
+        if path.exists():
+            self._warm_state = load_state(path)
+            return self._warm_state
+        torch.manual_seed(self.seed)
+        model = copy.deepcopy(self.spec.module).cpu()
+        model.train()
+        opt = torch.optim.SGD(model.parameters(), lr=self.lr, momentum=0.9)
+        loader = self.data.loader("train", batch_size=self.batch_size, seed=self.seed)
+        for x, y in itertools.islice(itertools.cycle(loader), self.warm_start_steps):
+            opt.zero_grad(set_to_none=True)
+            self.spec.loss(model(x), y).backward()
+            opt.step()
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        save_state_atomic(path, state)
+        self.warm_start_trained = True
+        self._warm_state = state
+        return state
+
+    # --- one run ----------------------------------------------------------------------------
+    def _run(self, policy: PrecisionPolicy, fidelity: str) -> _Run:
+        run = _Run()
+        start = time.perf_counter()
+        state = self._warm_start()
+        torch.manual_seed(self.seed)
+        dev = torch.device("cuda") if self.measured else torch.device("cpu")
+        model = copy.deepcopy(self.spec.module)
+        model.load_state_dict(state)
+        model.to(dev)
+        batches = self.data.fixed_batches(self.steps[fidelity], self.batch_size, seed=self.seed)
+        self.runs += 1
+        handle = None
+        try:
+            handle = apply_policy(model, policy, mode=self.mode)
+            scaler = LossScaler.from_config(policy.loss_scaling, device=dev)
+            opt = torch.optim.SGD(model.parameters(), lr=self.lr, momentum=0.9)
+            times = self._fine_tune(model, batches, opt, scaler, dev, run)
+            run.loss_scale = scaler.summary()
+            if not run.diverged:
+                run.loss, _ = self._score_split(model, "train", dev)
+                run.val_loss, run.accuracy = self._score_split(model, "val", dev)
+            if self.measured and times:
+                run.step_time_s = statistics.median(times)
+                run.memory_bytes = int(torch.cuda.max_memory_allocated(dev))
+        except torch.cuda.OutOfMemoryError:
+            log.warning("out of memory evaluating policy %s", policy.digest())
+            run.out_of_memory = run.diverged = True
+        except Exception:  # noqa: BLE001 - a bad policy must not end a search
+            log.exception("training failed for policy %s; counted as diverged", policy.digest())
+            run.diverged = True
+        finally:
+            if handle is not None:
+                totals = handle.totals()
+                run.overflows, run.underflows = totals["overflows"], totals["underflows"]
+                handle.remove()
+        run.wall_time_s = time.perf_counter() - start
+        return run
+
+    def _fine_tune(self, model, batches, opt, scaler, dev, run: _Run) -> list[float]:
+        model.train()
+        times: list[float] = []
+        if self.measured:
+            torch.cuda.reset_peak_memory_stats(dev)
+        for i, (x, y) in enumerate(batches):
+            x, y = x.to(dev), y.to(dev)
+            if self.measured:
+                begin, end = (
+                    torch.cuda.Event(enable_timing=True),
+                    torch.cuda.Event(enable_timing=True),
+                )
+                begin.record()
+            opt.zero_grad(set_to_none=True)
+            loss = self.spec.loss(model(x), y)
+            if not torch.isfinite(loss.detach()):
+                run.diverged = True
+                break
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            if self.measured:
+                end.record()
+                torch.cuda.synchronize(dev)
+                if i >= 2:  # the first steps warm up kernels and allocator
+                    times.append(begin.elapsed_time(end) / 1e3)
+        return times
+
+    @torch.no_grad()
+    def _score_split(self, model: nn.Module, split: str, dev: torch.device) -> tuple[float, float]:
+        """Mean loss and accuracy over ``split``, in eval mode, policy applied."""
+        model.eval()
+        total_loss = correct = count = labels = 0.0
+        for x, y in self.data.loader(split, batch_size=SCORE_BATCH, shuffle=False):
+            x, y = x.to(dev), y.to(dev)
+            out = model(x)
+            total_loss += float(self.spec.loss(out, y)) * len(x)
+            count += len(x)
+            pred = self.spec.logits(out).argmax(-1)
+            correct += float((pred == y).sum())
+            labels += y.numel()
+        return total_loss / max(count, 1), correct / max(labels, 1)
+
+    # --- cost -------------------------------------------------------------------------------
+    def _estimate(self, precisions: Mapping[str, Precision]) -> tuple[float, int]:
+        if self._table is None:
+            from autoprec.graph import analyze
+
+            self._table = analyze(self.spec, self.batch_size)
+        runnable = {
+            n: (p if self.device.supports(p) else Precision.FP32) for n, p in precisions.items()
+        }
+        est = self._cost.step(self._table, runnable, batch_size=self.batch_size)
+        return est.step_time_s, int(est.memory_bytes)
+
+    def _amp_cost(self, fidelity: str) -> tuple[float, int]:
+        """Step time and memory of the target's blanket AMP policy."""
+        amp = amp_policy(self.device)
+        if not self.measured:
+            return self._estimate(amp.resolve(self.spec.module))
+        if fidelity not in self._amp_runs:  # a raw run, so that no evaluate() recursion occurs
+            self._amp_runs[fidelity] = self._run(amp, fidelity)
+        run = self._amp_runs[fidelity]
+        if run.step_time_s is None:  # the AMP run itself failed; fall back to the model
+            return self._estimate(amp.resolve(self.spec.module))
+        return run.step_time_s, run.memory_bytes or 0
+
+    # --- metrics ----------------------------------------------------------------------------
+    def _score(self, policy: PrecisionPolicy, fidelity: str, reference: Metrics | None) -> Metrics:
+        precisions = policy.resolve(self.spec.module)
+        run = self._run(policy, fidelity)
+        if self.measured and run.step_time_s is not None:
+            step_time, memory = run.step_time_s, run.memory_bytes or 0
+        else:
+            step_time, memory = self._estimate(precisions)
+        if reference is None:  # this is the fp32 reference itself
+            if run.diverged or not math.isfinite(run.loss):
+                raise RuntimeError(
+                    "the fp32 reference run diverged; lower lr or check the model and data"
+                )
+            ref_loss, ref_val, ref_acc = run.loss, run.val_loss, run.accuracy
+            ref_time, ref_memory = step_time, memory
+        else:
+            ref_loss, ref_val, ref_acc = reference.loss, reference.val_loss, reference.accuracy
+            ref_time, ref_memory = reference.step_time_s, reference.memory_bytes
+        amp_time, amp_memory = self._amp_cost(fidelity)
+        diverged = (
+            run.diverged or not math.isfinite(run.loss) or run.loss > DIVERGENCE_FACTOR * ref_loss
+        )
+        if diverged:
+            loss = (1.0 + PENALTY_LOSS_DELTA) * ref_loss
+            val_loss, accuracy = (1.0 + PENALTY_LOSS_DELTA) * ref_val, 0.0
+        else:
+            loss, val_loss, accuracy = run.loss, run.val_loss, run.accuracy
+        loss_delta = PENALTY_LOSS_DELTA if diverged else (loss - ref_loss) / max(ref_loss, 1e-12)
+        feasible = not run.out_of_memory and all(
+            self.device.supports(p) for p in precisions.values()
+        )
+        return Metrics(
+            accuracy=accuracy,
+            loss=loss,
+            val_loss=val_loss,
+            fp32_accuracy=ref_acc,
+            fp32_loss=ref_loss,
+            accuracy_delta=accuracy - ref_acc,
+            loss_delta=loss_delta,
+            speedup=ref_time / step_time,
+            memory_ratio=memory / max(ref_memory, 1),
+            speedup_vs_amp=amp_time / step_time,
+            memory_ratio_vs_amp=memory / max(amp_memory, 1),
+            step_time_s=step_time,
+            memory_bytes=memory,
+            source="measured" if self.measured else "model",
+            overflows=run.overflows,
+            underflows=run.underflows,
+            loss_scale=run.loss_scale,
+            diverged=diverged,
+            feasible=feasible,
+            wall_time_s=run.wall_time_s,
+            fidelity=fidelity,
+            steps=self.steps[fidelity],
+        )

@@ -1,0 +1,78 @@
+"""What one evaluation of a precision policy reports: :class:`Metrics`."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+SOURCES = ("measured", "model")
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """Quality, cost and health of one policy, each against the fp32 reference.
+
+    Attributes:
+        accuracy: validation accuracy after fine-tuning under the policy.
+        loss: mean loss over the whole training split, with the policy applied (the fine
+            signal: small precision effects show here before they move the accuracy).
+        val_loss: mean loss over the validation split, with the policy applied.
+        fp32_accuracy, fp32_loss: the same for the uniform fp32 policy.
+        accuracy_delta: ``accuracy - fp32_accuracy``.
+        loss_delta: relative, ``(loss - fp32_loss) / fp32_loss``.
+        speedup: fp32 step time / this step time.
+        memory_ratio: this step's memory / fp32's.
+        speedup_vs_amp, memory_ratio_vs_amp: the same against the target's blanket AMP policy
+            (``preferred.low`` on every tunable layer).
+        step_time_s, memory_bytes: one training step at the evaluator's batch size.
+        source: ``"measured"`` on the local CUDA device, ``"model"`` from the cost model.
+        overflows, underflows: counts summed over layers during fine-tuning.
+        loss_scale: ``LossScaler.summary()``, or ``{}`` when the run did not get that far.
+        diverged: non-finite loss, an error in training, or a final loss over 10x fp32's; the
+            quality fields are then penalised but finite (see ``Evaluator``).
+        feasible: the target runs every precision of the policy (and it fitted in memory).
+        wall_time_s: seconds the evaluation took (fine-tuning and scoring).
+        fidelity: ``"short"`` or ``"full"``.
+        steps: fine-tuning steps taken from the warm start.
+    """
+
+    accuracy: float
+    loss: float
+    fp32_accuracy: float
+    fp32_loss: float
+    accuracy_delta: float
+    loss_delta: float
+    speedup: float
+    memory_ratio: float
+    speedup_vs_amp: float
+    memory_ratio_vs_amp: float
+    step_time_s: float
+    memory_bytes: int
+    source: str
+    overflows: int = 0
+    underflows: int = 0
+    loss_scale: Mapping[str, Any] = field(default_factory=dict)
+    diverged: bool = False
+    feasible: bool = True
+    wall_time_s: float = 0.0
+    fidelity: str = "short"
+    steps: int = 0
+    val_loss: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.source not in SOURCES:
+            raise ValueError(f"unknown metrics source {self.source!r}; expected one of {SOURCES}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict of every field."""
+        out = dataclasses.asdict(self)
+        out["loss_scale"] = dict(self.loss_scale)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Metrics:
+        """Inverse of :meth:`to_dict`; unknown keys (from a newer version) are ignored."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})

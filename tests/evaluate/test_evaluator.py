@@ -1,0 +1,152 @@
+"""The evaluator: warm start, fp32 reference, cache, divergence, feasibility, determinism."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from autoprec.data import load_dataset_for
+from autoprec.evaluate import Evaluator, Metrics
+from autoprec.layers import tunable_layers
+from autoprec.models import load_model
+
+SMALL = {"steps": 6, "warm_start_steps": 30}
+TARGET = "a100-40gb-sxm"  # no fp8; a GPU name, so costs come from the model on this machine
+
+
+@pytest.fixture(autouse=True)
+def _env(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOPREC_CACHE_DIR", str(tmp_path / "cache"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def _loaded():
+    torch.manual_seed(0)
+    spec = load_model("tinycnn", num_classes=10)
+    return spec, load_dataset_for(spec, "digits", seed=0)
+
+
+@pytest.fixture
+def spec(_loaded):
+    return copy.deepcopy(_loaded[0])  # same initial weights in every test
+
+
+@pytest.fixture
+def data(_loaded):
+    return _loaded[1]
+
+
+def _finite(m: Metrics) -> bool:
+    values = [v for v in m.to_dict().values() if isinstance(v, (int, float))]
+    return all(math.isfinite(v) for v in values)
+
+
+def test_warm_start_is_trained_once_and_reused(spec, data):
+    first = Evaluator(spec, data, TARGET, **SMALL)
+    first.reference()
+    assert first.warm_start_trained and first.warm_start_path.exists()
+    mtime = first.warm_start_path.stat().st_mtime_ns
+    second = Evaluator(spec, data, TARGET, **SMALL)
+    assert second.warm_start_path == first.warm_start_path
+    second.evaluate("bf16")  # a new policy: fine-tunes, so it needs the warm start
+    assert second.runs == 1
+    assert not second.warm_start_trained
+    assert second.warm_start_path.stat().st_mtime_ns == mtime
+
+
+def test_fp32_is_its_own_reference(spec, data):
+    m = Evaluator(spec, data, TARGET, **SMALL).evaluate("fp32")
+    assert m.loss_delta == 0.0 and m.accuracy_delta == 0.0
+    assert m.speedup == 1.0 and m.memory_ratio == 1.0
+    assert m.loss == m.fp32_loss and m.accuracy == m.fp32_accuracy
+    assert not m.diverged and m.feasible and m.steps == SMALL["steps"]
+
+
+def test_repeated_policy_is_served_from_cache_also_across_instances(spec, data, tmp_path):
+    ev = Evaluator(spec, data, TARGET, **SMALL)
+    first = ev.evaluate("bf16")
+    runs = ev.runs
+    assert runs == 2  # fp32 reference + bf16
+    assert ev.evaluate("bf16") == first
+    every_layer = {name: "bf16" for name, _ in tunable_layers(spec.module)}
+    assert ev.evaluate(every_layer) == first  # resolves alike -> same cache entry
+    assert ev.runs == runs
+    assert (tmp_path / "cache" / "evaluations.sqlite").exists()
+
+    fresh = Evaluator(spec, data, TARGET, **SMALL)
+    assert fresh.evaluate("bf16") == first
+    assert fresh.runs == 0
+    other = Evaluator(spec, data, TARGET, steps=SMALL["steps"] + 1, warm_start_steps=30)
+    assert other.evaluate("bf16").steps == SMALL["steps"] + 1  # other settings, other key
+    assert other.runs == 2
+
+
+def test_nan_loss_gives_diverged_finite_metrics(spec, data, monkeypatch):
+    ev = Evaluator(spec, data, TARGET, **SMALL)
+    ref = ev.reference()
+    loss = spec.loss
+    monkeypatch.setattr(spec, "loss", lambda out, y: loss(out, y) * float("nan"))
+    m = ev.evaluate("bf16")
+    assert m.diverged and _finite(m)
+    assert m.accuracy == 0.0 and m.loss_delta == 10.0
+    assert m.loss == pytest.approx(11 * ref.loss)
+
+
+def test_exception_in_training_is_diverged_not_raised(spec, data, monkeypatch):
+    ev = Evaluator(spec, data, TARGET, **SMALL)
+    ev.reference()
+
+    def broken(out, y):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(spec, "loss", broken)
+    m = ev.evaluate("fp16")
+    assert m.diverged and _finite(m) and m.loss_delta == 10.0
+
+
+def test_fp8_on_a100_is_infeasible_but_finite_and_modelled(spec, data):
+    ev = Evaluator(spec, data, TARGET, **SMALL)
+    m = ev.evaluate("fp8")
+    assert not m.feasible and _finite(m)
+    assert m.source == "model" and m.step_time_s > 0 and m.memory_bytes > 0
+    assert ev.evaluate("bf16").feasible
+
+
+def test_same_policy_in_fresh_evaluators_is_deterministic(spec, data, tmp_path):
+    a = Evaluator(copy.deepcopy(spec), data, TARGET, cache_dir=tmp_path / "a", **SMALL)
+    b = Evaluator(copy.deepcopy(spec), data, TARGET, cache_dir=tmp_path / "b", **SMALL)
+    ma, mb = a.evaluate("fp16"), b.evaluate("fp16")
+    assert a.runs == b.runs == 2
+    assert ma.loss == mb.loss and ma.accuracy == mb.accuracy and ma.val_loss == mb.val_loss
+
+
+def test_fp8_hurts_more_than_bf16_on_tinycnn(spec, data):
+    # Default steps and warm start, init seed 0 (deterministic). Measured: bf16 loss_delta
+    # 0.014, fp8 0.96. Not a law at 30 steps: with init/evaluator seeds 1, 2, 3 the pairs were
+    # (0.008, -0.126), (-0.003, 0.163), (0.008, 0.089), i.e. fp8 < bf16 once in four.
+    ev = Evaluator(spec, data, "h100-sxm")
+    bf16, fp8 = ev.evaluate("bf16"), ev.evaluate("fp8")
+    assert bf16.feasible and fp8.feasible
+    assert fp8.loss_delta > bf16.loss_delta
+    assert abs(bf16.loss_delta) < 0.1
+
+
+def test_metrics_round_trip_and_bad_arguments(spec, data):
+    ev = Evaluator(spec, data, TARGET, **SMALL)
+    m = ev.reference()
+    assert Metrics.from_dict(m.to_dict()) == m
+    assert dataclasses.replace(m, source="model").source == "model"
+    with pytest.raises(ValueError, match="surrogate"):
+        ev.evaluate("bf16", fidelity="surrogate")
+    with pytest.raises(TypeError, match="PrecisionPolicy"):
+        ev.evaluate(3)
+    with pytest.raises(ValueError, match="source"):
+        dataclasses.replace(m, source="guess")
