@@ -9,6 +9,10 @@ split. The uniform fp32 policy, evaluated the same way, is the reference of ever
 Step time and memory are measured (CUDA events, peak allocated memory) when the target is the
 local CUDA device, and come from :class:`autoprec.hardware.CostModel` otherwise.
 
+The ``"surrogate"`` fidelity trains nothing: :class:`autoprec.evaluate.surrogate.Surrogate`
+predicts ``loss_delta`` from per-layer sensitivities (computed once per evaluator, cached on disk)
+and is refit on every real evaluation that did not diverge. See :meth:`Evaluator.evaluate`.
+
 Example:
     >>> from autoprec.models import load_model
     >>> from autoprec.data import load_dataset_for
@@ -45,6 +49,7 @@ from autoprec.evaluate._store import (
     save_state_atomic,
 )
 from autoprec.evaluate.metrics import Metrics
+from autoprec.evaluate.surrogate import Surrogate
 from autoprec.hardware import CostModel, DeviceSpec, detect, get_device
 from autoprec.hardware.defaults import amp_policy
 from autoprec.layers import model_fingerprint
@@ -54,7 +59,11 @@ from autoprec.runtime import LossScaler, apply_policy
 
 log = logging.getLogger(__name__)
 
-FIDELITIES = ("short", "full")
+FIDELITIES = ("short", "full", "surrogate")
+SURROGATE_REFERENCE = "short"  # the real fidelity whose fp32 run anchors surrogate predictions
+SURROGATE_TAYLOR_ABOVE = 30  # more tunable layers than this: taylor sensitivities, else sweep
+SURROGATE_SWEEP_BATCHES = 2  # tinycnn: ~2 s on one CPU thread
+SURROGATE_TAYLOR_BATCHES = 4
 FULL_STEPS = 200
 SHORT_STEPS = 30
 DIVERGENCE_FACTOR = 10.0  # a final loss above this many times fp32's counts as diverged
@@ -91,7 +100,8 @@ class Evaluator:
         spec: a ModelSpec (``module``, ``loss``, ``logits``, ``name``); its module is not changed.
         data: a DataBundle (``loader``, ``fixed_batches``, ``key``).
         target: a device name or DeviceSpec; None detects the local one.
-        fidelity: default fidelity, ``"short"`` (``steps`` or 30 steps) or ``"full"`` (200).
+        fidelity: default fidelity, ``"short"`` (``steps`` or 30 steps), ``"full"`` (200) or
+            ``"surrogate"`` (predicted, no training; see :meth:`evaluate`).
         steps: fine-tuning steps at ``"short"`` fidelity.
         batch_size: examples per fine-tuning (and warm-start) step.
         lr: SGD learning rate (momentum 0.9) for warm start and fine-tuning.
@@ -109,6 +119,9 @@ class Evaluator:
 
     Attributes:
         runs: fine-tuning runs done by this instance (cache hits do not count).
+        surrogate_pairs: ``{policy key: (precisions, loss_delta)}`` of the real evaluations
+            (either fidelity, cache hits included) that did not diverge; the surrogate's
+            training data.
         warm_start_trained: whether this instance trained the warm start (False: loaded).
     """
 
@@ -150,6 +163,8 @@ class Evaluator:
         self._warm_state: dict[str, torch.Tensor] | None = None
         self._table: Any = None
         self._amp_runs: dict[str, _Run] = {}
+        self._surrogate: Surrogate | None = None
+        self.surrogate_pairs: dict[str, tuple[dict[str, Precision], float]] = {}
         self._cost = CostModel(self.device)
         self.runs = 0
         self.warm_start_trained = False
@@ -164,24 +179,71 @@ class Evaluator:
         """Metrics of ``policy`` (a PrecisionPolicy, a precision name, or ``{layer: precision}``).
 
         Served from the cache (memory, then SQLite) when this policy was evaluated before with
-        the same settings and fidelity.
+        the same settings and fidelity. Each real (``short``/``full``) result that did not
+        diverge becomes a training pair of the surrogate, which is refit if already built.
+
+        ``fidelity="surrogate"`` runs no training and is never cached (the surrogate changes as
+        it is refit): ``loss_delta`` is :meth:`Surrogate.predict`, clipped to [-0.99, 9];
+        ``loss`` and ``val_loss`` are the fp32 ``"short"`` reference's times ``1 + loss_delta``;
+        ``accuracy`` is fp32's (unknown; ``accuracy_delta = 0``); step time, memory and the
+        ratios come from the cost model for this policy, fp32 and AMP alike (``source =
+        "model"``, even where real runs are measured); ``steps = 0``, ``diverged = False``,
+        ``overflows = underflows = 0``. The first call runs (or loads) the fp32 short
+        reference and computes the sensitivity table (see :meth:`surrogate`); later calls
+        take about a millisecond.
         """
         policy = self._as_policy(policy)
         fid = self._check_fidelity(fidelity or self.fidelity)
+        if fid == "surrogate":
+            return self._predict(policy)
         reference = self._reference(fid)
-        return self._cached(policy, fid, lambda: self._score(policy, fid, reference))
+        metrics = self._cached(policy, fid, lambda: self._score(policy, fid, reference))
+        self._record(policy, fid, metrics)
+        return metrics
 
     def reference(self, fidelity: str | None = None) -> Metrics:
-        """Metrics of the uniform fp32 policy (computed once, cached)."""
-        return self._reference(self._check_fidelity(fidelity or self.fidelity))
+        """Metrics of the uniform fp32 policy (computed once, cached).
+
+        For ``"surrogate"`` this is the real ``"short"`` reference that predictions scale.
+        """
+        fid = self._check_fidelity(fidelity or self.fidelity)
+        return self._reference(SURROGATE_REFERENCE if fid == "surrogate" else fid)
+
+    def surrogate(self) -> Surrogate:
+        """The surrogate, built on first use and fitted on :attr:`surrogate_pairs`.
+
+        Its sensitivity table comes from :func:`autoprec.graph.grade.sensitivity` with this
+        evaluator's seed and lr, ``cache=True`` (on disk under ``$AUTOPREC_CACHE_DIR``):
+        ``method="sweep"`` on 2 batches of 8 for models with at most 30 tunable layers (exact
+        one-layer measurements; about 2 s for tinycnn on one thread), ``method="taylor"`` on
+        4 batches otherwise (one pass whatever the depth).
+        """
+        if self._surrogate is None:
+            from autoprec.graph.grade import sensitivity
+            from autoprec.layers import tunable_layers
+
+            n_layers = sum(1 for _ in tunable_layers(self.spec.module))
+            taylor = n_layers > SURROGATE_TAYLOR_ABOVE
+            table = sensitivity(
+                self.spec,
+                self.data,
+                batches=SURROGATE_TAYLOR_BATCHES if taylor else SURROGATE_SWEEP_BATCHES,
+                method="taylor" if taylor else "sweep",
+                lr=self.lr,
+                seed=self.seed,
+                cache=True,
+            )
+            self._surrogate = Surrogate(table)
+            if self.surrogate_pairs:
+                self._surrogate.fit(self.surrogate_pairs.values())
+        return self._surrogate
 
     # --- policies and cache -----------------------------------------------------------------
     @staticmethod
     def _check_fidelity(fidelity: str) -> str:
         if fidelity not in FIDELITIES:
-            extra = " ('surrogate' is not implemented yet)" if fidelity == "surrogate" else ""
             raise ValueError(
-                f"unknown fidelity {fidelity!r}; expected one of {', '.join(FIDELITIES)}{extra}"
+                f"unknown fidelity {fidelity!r}; expected one of {', '.join(FIDELITIES)}"
             )
         return fidelity
 
@@ -216,6 +278,17 @@ class Evaluator:
             self._store.put(key, metrics.to_dict())
         self._memo[key] = metrics
         return metrics
+
+    def _record(self, policy: PrecisionPolicy, fidelity: str, metrics: Metrics) -> None:
+        """Add a real, non-diverged result to the surrogate's pairs and refit (cheap)."""
+        if metrics.diverged or not math.isfinite(metrics.loss_delta):
+            return
+        key = self._key(policy, fidelity)
+        if key in self.surrogate_pairs:
+            return
+        self.surrogate_pairs[key] = (policy.resolve(self.spec.module), metrics.loss_delta)
+        if self._surrogate is not None:
+            self._surrogate.fit(self.surrogate_pairs.values())
 
     def _reference(self, fidelity: str) -> Metrics:
         fp32 = PrecisionPolicy.uniform(Precision.FP32)
@@ -351,6 +424,42 @@ class Evaluator:
         return run.step_time_s, run.memory_bytes or 0
 
     # --- metrics ----------------------------------------------------------------------------
+    def _predict(self, policy: PrecisionPolicy) -> Metrics:
+        """Surrogate metrics (see :meth:`evaluate`); not cached."""
+        reference = self._reference(SURROGATE_REFERENCE)
+        surrogate = self.surrogate()
+        start = time.perf_counter()
+        precisions = policy.resolve(self.spec.module)
+        predicted = surrogate.predict(precisions)
+        if not math.isfinite(predicted):
+            predicted = PENALTY_LOSS_DELTA - 1.0
+        loss_delta = min(max(predicted, -0.99), PENALTY_LOSS_DELTA - 1.0)
+        step_time, memory = self._estimate(precisions)
+        ref_time, ref_memory = self._estimate({n: Precision.FP32 for n in precisions})
+        amp_time, amp_memory = self._estimate(amp_policy(self.device).resolve(self.spec.module))
+        feasible = all(self.device.supports(p) for p in precisions.values())
+        return Metrics(
+            accuracy=reference.accuracy,
+            loss=reference.loss * (1.0 + loss_delta),
+            val_loss=reference.val_loss * (1.0 + loss_delta),
+            fp32_accuracy=reference.accuracy,
+            fp32_loss=reference.loss,
+            accuracy_delta=0.0,
+            loss_delta=loss_delta,
+            speedup=ref_time / step_time,
+            memory_ratio=memory / max(ref_memory, 1),
+            speedup_vs_amp=amp_time / step_time,
+            memory_ratio_vs_amp=memory / max(amp_memory, 1),
+            step_time_s=step_time,
+            memory_bytes=memory,
+            source="model",
+            diverged=False,
+            feasible=feasible,
+            wall_time_s=time.perf_counter() - start,
+            fidelity="surrogate",
+            steps=0,
+        )
+
     def _score(self, policy: PrecisionPolicy, fidelity: str, reference: Metrics | None) -> Metrics:
         precisions = policy.resolve(self.spec.module)
         run = self._run(policy, fidelity)

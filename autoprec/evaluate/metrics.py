@@ -34,8 +34,8 @@ class Metrics:
             quality fields are then penalised but finite (see ``Evaluator``).
         feasible: the target runs every precision of the policy (and it fitted in memory).
         wall_time_s: seconds the evaluation took (fine-tuning and scoring).
-        fidelity: ``"short"`` or ``"full"``.
-        steps: fine-tuning steps taken from the warm start.
+        fidelity: ``"short"``, ``"full"`` or ``"surrogate"`` (predicted, no training).
+        steps: fine-tuning steps taken from the warm start (0 for ``"surrogate"``).
     """
 
     accuracy: float

@@ -144,8 +144,8 @@ def test_metrics_round_trip_and_bad_arguments(spec, data):
     m = ev.reference()
     assert Metrics.from_dict(m.to_dict()) == m
     assert dataclasses.replace(m, source="model").source == "model"
-    with pytest.raises(ValueError, match="surrogate"):
-        ev.evaluate("bf16", fidelity="surrogate")
+    with pytest.raises(ValueError, match="surrogate"):  # the message lists the fidelities
+        ev.evaluate("bf16", fidelity="bogus")
     with pytest.raises(TypeError, match="PrecisionPolicy"):
         ev.evaluate(3)
     with pytest.raises(ValueError, match="source"):
