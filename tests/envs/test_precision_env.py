@@ -1,0 +1,200 @@
+"""PrecisionEnv: the Gymnasium and SB3 env checkers, registration, masks, remapping, reward."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import gymnasium
+import numpy as np
+import pytest
+
+import autoprec.envs
+from autoprec.envs import PrecisionEnv
+from autoprec.envs.precision_env import STATIC_FEATURES
+from autoprec.evaluate import Metrics
+
+FAST = {"model": "tinycnn", "steps": 5, "warm_start_steps": 20}
+LAYERS = ("conv1", "conv2", "fc1", "fc2")  # tinycnn's tunable layers, in execution order
+
+
+@pytest.fixture(autouse=True)
+def _cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("AUTOPREC_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def _masked_episode(env, rng):
+    """Run one episode of random masked actions; check every observation against the Box."""
+    obs, _ = env.reset(seed=0)
+    assert env.observation_space.contains(obs)
+    terminated, steps = False, 0
+    while not terminated:
+        mask = env.action_masks()
+        action = int(rng.choice(np.flatnonzero(mask)))
+        obs, reward, terminated, truncated, info = env.step(action)
+        assert env.observation_space.contains(obs)
+        assert not truncated and not info["remapped"]
+        steps += 1
+    return steps, reward, info
+
+
+def test_gymnasium_env_checker():
+    from gymnasium.utils.env_checker import check_env
+
+    check_env(PrecisionEnv(target="h100-sxm", **FAST))
+
+
+def test_sb3_env_checker():
+    from stable_baselines3.common.env_checker import check_env
+
+    check_env(PrecisionEnv(target="h100-sxm", **FAST), warn=True)
+
+
+def test_make_after_import_and_masked_random_episode():
+    assert autoprec.envs.ENV_ID in gymnasium.registry
+    autoprec.envs._register()  # a second registration is a no-op
+    env = gymnasium.make("autoprec/PrecisionSearch-v0", target="h100-sxm", **FAST)
+    inner = env.unwrapped
+    assert isinstance(inner, PrecisionEnv)
+    assert inner.layers == LAYERS
+    assert env.observation_space.shape == (len(STATIC_FEATURES) + 5 + 2,)
+    assert env.get_wrapper_attr("action_masks")().all()  # h100 runs all five
+
+    steps, reward, info = _masked_episode(inner, np.random.default_rng(0))
+    assert steps == len(LAYERS)
+    assert math.isfinite(reward)
+    assert set(info["policy"]) == set(LAYERS)
+    assert info["metrics"]["fidelity"] == "short" and info["metrics"]["steps"] == 5
+    assert reward == pytest.approx(inner.reward_from_metrics(Metrics.from_dict(info["metrics"])))
+    with pytest.raises(gymnasium.error.ResetNeeded):
+        inner.step(0)
+
+
+def test_a100_masks_fp8_and_remaps_to_the_next_wider():
+    env = PrecisionEnv(target="a100-40gb-sxm", **FAST)
+    fp8, fp16 = env.precisions.index("fp8"), env.precisions.index("fp16")
+    obs, _ = env.reset(seed=1)
+    mask = env.action_masks()
+    assert mask.dtype == bool and not mask[fp8] and mask.sum() == 4
+    obs, reward, terminated, _, info = env.step(fp8)
+    assert info["remapped"] and (info["requested"], info["precision"]) == ("fp8", "fp16")
+    assert obs[len(STATIC_FEATURES) + fp16] == 1.0  # the previous action is the applied one
+    for _ in LAYERS[1:]:
+        obs, reward, terminated, _, info = env.step(fp8)
+        assert env.observation_space.contains(obs)
+    assert terminated and math.isfinite(reward)
+    assert info["policy"] == dict.fromkeys(LAYERS, "fp16")
+    assert info["remapped_layers"]["conv1"] == ["fp8", "fp16"]
+    assert info["metrics"]["feasible"]
+
+
+def test_masked_episode_on_a100_never_remaps():
+    env = PrecisionEnv(target="a100-40gb-sxm", **FAST)
+    _, reward, info = _masked_episode(env, np.random.default_rng(3))
+    assert math.isfinite(reward) and "fp8" not in info["policy"].values()
+
+
+def test_cost_so_far_grows_and_stays_in_bounds():
+    env = PrecisionEnv(target="h100-sxm", **FAST)
+    obs, _ = env.reset(seed=0)
+    assert obs[-2:].tolist() == [0.0, 0.0]
+    costs = []
+    for _ in LAYERS[:-1]:
+        obs, *_ = env.step(0)  # fp32 everywhere: the cost so far climbs towards 1
+        costs.append(obs[-2])
+    assert costs == sorted(costs) and 0 < costs[-1] < 1
+
+
+def test_reward_formula():
+    env = PrecisionEnv(target="h100-sxm", accuracy_tolerance=0.05, **FAST)
+    base = Metrics(
+        accuracy=0.9,
+        loss=0.5,
+        fp32_accuracy=0.9,
+        fp32_loss=0.5,
+        accuracy_delta=0.0,
+        loss_delta=0.01,
+        speedup=2.0,
+        memory_ratio=0.5,
+        speedup_vs_amp=1.0,
+        memory_ratio_vs_amp=1.0,
+        step_time_s=1.0,
+        memory_bytes=1,
+        source="model",
+    )
+    w = env.reward_weights
+    expected = w["speedup"] * math.log(2) + w["memory"] * math.log(2) - w["accuracy"] * 0.01
+    assert env.reward_from_metrics(base) == pytest.approx(expected)
+    over = dataclasses.replace(base, loss_delta=0.15)
+    expected_over = (
+        w["speedup"] * math.log(2) + w["memory"] * math.log(2) - w["accuracy"] * 0.15
+    ) - (1 + 10 * 0.10)
+    assert env.reward_from_metrics(over) == pytest.approx(expected_over)
+    assert env.reward_from_metrics(dataclasses.replace(base, diverged=True)) == -5.0
+    assert env.reward_from_metrics(dataclasses.replace(base, feasible=False)) == -5.0
+
+
+def test_budget_mode_lowers_only_when_needed():
+    met = PrecisionEnv(target="h100-sxm", target_speedup=1e-3, **FAST)
+    met.reset(seed=0)
+    for _ in LAYERS:
+        *_, info = met.step(0)
+    assert info["budget_lowered"] == [] and info["budget_met"]
+    assert info["policy"] == dict.fromkeys(LAYERS, "fp32")
+
+    unmet = PrecisionEnv(target="h100-sxm", target_speedup=100.0, **FAST)
+    unmet.reset(seed=0)
+    for _ in LAYERS:
+        *_, info = unmet.step(0)
+    assert not info["budget_met"]
+    assert all(info["policy"][name] == "bf16" for name in info["budget_lowered"])
+
+
+def test_bad_arguments_raise_value_errors():
+    with pytest.raises(ValueError, match="unknown precision"):
+        PrecisionEnv(precisions=("fp32", "bf8"), **FAST)
+    with pytest.raises(ValueError, match="unknown reward weight"):
+        PrecisionEnv(reward_weights={"speed": 1.0}, **FAST)
+    with pytest.raises(ValueError, match="none of the precisions"):
+        PrecisionEnv(target="a100-40gb-sxm", precisions=("fp8",), **FAST)
+    env = PrecisionEnv(**FAST)
+    env.reset()
+    with pytest.raises(ValueError, match="action must be"):
+        env.step(7)
+
+
+def test_make_vec_single_env_with_masks():
+    from sb3_contrib.common.maskable.utils import get_action_masks, is_masking_supported
+    from stable_baselines3.common.vec_env import DummyVecEnv
+
+    from autoprec.envs.vec import make_vec
+
+    venv = make_vec(1, seed=0, target="a100-40gb-sxm", **FAST)
+    assert isinstance(venv, DummyVecEnv) and is_masking_supported(venv)
+    venv.reset()
+    for _ in LAYERS:
+        masks = get_action_masks(venv)
+        assert masks.shape == (1, 5) and not masks[0, 4]
+        _, rewards, dones, infos = venv.step(np.array([2]))
+    assert dones[0] and np.isfinite(rewards[0])
+    assert infos[0]["policy"] == dict.fromkeys(LAYERS, "bf16") and "episode" in infos[0]
+    venv.close()
+
+
+def test_make_vec_subprocess_two_envs():
+    """Two spawned workers (about 6 s on 2 CPU cores, most of it importing torch)."""
+    from stable_baselines3.common.vec_env import SubprocVecEnv
+
+    from autoprec.envs.vec import make_vec
+
+    venv = make_vec(2, seed=0, target="h100-sxm", **FAST)
+    try:
+        assert isinstance(venv, SubprocVecEnv)
+        venv.reset()
+        for _ in LAYERS:
+            masks = np.stack(venv.env_method("action_masks"))
+            _, rewards, dones, infos = venv.step(masks.argmax(axis=1))
+        assert dones.all() and np.isfinite(rewards).all()
+        assert all(set(info["policy"]) == set(LAYERS) for info in infos)
+    finally:
+        venv.close()
