@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import sqlite3
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,24 +12,12 @@ from typing import Any
 
 import torch
 
-
-def default_cache_dir() -> Path:
-    """``$AUTOPREC_CACHE_DIR``, else ``~/.cache/autoprec``."""
-    root = os.environ.get("AUTOPREC_CACHE_DIR")
-    return Path(root) if root else Path.home() / ".cache" / "autoprec"
+from autoprec.cache import write_atomic
 
 
 def save_state_atomic(path: Path, state: dict[str, torch.Tensor]) -> None:
     """``torch.save`` to a temporary file next to ``path``, then ``os.replace`` it in place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            torch.save(state, fh)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, lambda fh: torch.save(state, fh), binary=True)
 
 
 def load_state(path: Path) -> dict[str, torch.Tensor]:

@@ -42,9 +42,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoprec.cache import cache_dir as default_cache_dir
 from autoprec.evaluate._store import (
     EvaluationStore,
-    default_cache_dir,
     load_state,
     save_state_atomic,
 )

@@ -29,17 +29,15 @@ import hashlib
 import itertools
 import json
 import math
-import os
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from autoprec.cache import cache_dir, write_atomic
 from autoprec.kernels import ScaledCast, quantize
 from autoprec.layers import model_fingerprint, tunable_layers
 from autoprec.precision import Precision, parse_precision
@@ -100,23 +98,6 @@ class SensitivityTable:
 
 
 # --- helpers -----------------------------------------------------------------------------------
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("AUTOPREC_CACHE_DIR")
-    return Path(root) if root else Path.home() / ".cache" / "autoprec"
-
-
-def _write_json_atomic(path: Path, doc: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(doc, fh)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _flat_grad(model: nn.Module) -> torch.Tensor:
@@ -331,7 +312,7 @@ def sensitivity(
     key = hashlib.sha256(
         json.dumps([fingerprint, data.key, settings], sort_keys=True).encode()
     ).hexdigest()[:24]
-    path = _cache_dir() / "sensitivity" / f"{key}.json"
+    path = cache_dir() / "sensitivity" / f"{key}.json"
     if cache and path.exists():
         return SensitivityTable.from_dict(json.loads(path.read_text()))
 
@@ -365,5 +346,5 @@ def sensitivity(
         settings=settings,
     )
     if cache:
-        _write_json_atomic(path, table.to_dict())
+        write_atomic(path, lambda fh: json.dump(table.to_dict(), fh))
     return table

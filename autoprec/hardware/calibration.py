@@ -9,15 +9,14 @@ atomically, and :func:`load_efficiency` hands them to :class:`~autoprec.hardware
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from autoprec.cache import cache_dir, write_atomic
 from autoprec.hardware.database import DeviceSpec, detect, get_device
 
 __all__ = ["Calibration", "calibrate", "load_calibration", "load_efficiency", "calibration_path"]
@@ -41,9 +40,7 @@ class Calibration:
 
 
 def calibration_path(device_name: str) -> Path:
-    root = os.environ.get("AUTOPREC_CACHE_DIR")
-    base = Path(root) if root else Path.home() / ".cache" / "autoprec"
-    return base / "calibration" / f"{device_name}.json"
+    return cache_dir() / "calibration" / f"{device_name}.json"
 
 
 def _median_time(fn: Callable[[], Any], sync: Callable[[], None], repeats: int) -> float:
@@ -140,16 +137,9 @@ def calibrate(
         created=time.strftime("%Y-%m-%dT%H:%M:%S"),
     )
     if save:
-        path = calibration_path(spec.name)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as fh:
-                json.dump(result.to_dict(), fh, indent=2)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_atomic(
+            calibration_path(spec.name), lambda fh: json.dump(result.to_dict(), fh, indent=2)
+        )
     return result
 
 
