@@ -93,6 +93,20 @@ def _sha(obj: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
+def _cost_fields(
+    step_time: float, memory: int, fp32: tuple[float, int], amp: tuple[float, int]
+) -> dict[str, Any]:
+    """Step time and memory, and their ratios to the fp32 and blanket-AMP policies'."""
+    return {
+        "speedup": fp32[0] / step_time,
+        "memory_ratio": memory / max(fp32[1], 1),
+        "speedup_vs_amp": amp[0] / step_time,
+        "memory_ratio_vs_amp": memory / max(amp[1], 1),
+        "step_time_s": step_time,
+        "memory_bytes": memory,
+    }
+
+
 class Evaluator:
     """Scores precision policies of one model on one dataset for one target.
 
@@ -446,12 +460,7 @@ class Evaluator:
             fp32_loss=reference.loss,
             accuracy_delta=0.0,
             loss_delta=loss_delta,
-            speedup=ref_time / step_time,
-            memory_ratio=memory / max(ref_memory, 1),
-            speedup_vs_amp=amp_time / step_time,
-            memory_ratio_vs_amp=memory / max(amp_memory, 1),
-            step_time_s=step_time,
-            memory_bytes=memory,
+            **_cost_fields(step_time, memory, (ref_time, ref_memory), (amp_time, amp_memory)),
             source="model",
             diverged=False,
             feasible=feasible,
@@ -498,12 +507,7 @@ class Evaluator:
             fp32_loss=ref_loss,
             accuracy_delta=accuracy - ref_acc,
             loss_delta=loss_delta,
-            speedup=ref_time / step_time,
-            memory_ratio=memory / max(ref_memory, 1),
-            speedup_vs_amp=amp_time / step_time,
-            memory_ratio_vs_amp=memory / max(amp_memory, 1),
-            step_time_s=step_time,
-            memory_bytes=memory,
+            **_cost_fields(step_time, memory, (ref_time, ref_memory), (amp_time, amp_memory)),
             source="measured" if self.measured else "model",
             overflows=run.overflows,
             underflows=run.underflows,
