@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import gymnasium
 
-from autoprec.envs.precision_env import PrecisionEnv
+from autoprec.envs.precision_env import DEFAULT_REWARD_WEIGHTS, PrecisionEnv, reward
 
 ENV_ID = "autoprec/PrecisionSearch-v0"
 
@@ -30,4 +30,4 @@ def _register() -> None:
 
 _register()
 
-__all__ = ["ENV_ID", "PrecisionEnv"]
+__all__ = ["DEFAULT_REWARD_WEIGHTS", "ENV_ID", "PrecisionEnv", "reward"]

@@ -420,20 +420,37 @@ class PrecisionEnv(gym.Env):
 
     def reward_from_metrics(self, metrics: Any) -> float:
         """The end-of-episode reward of ``metrics`` (the formula in the class docstring)."""
-        if metrics.diverged or not metrics.feasible:
-            return FAILURE_PENALTY
-        w = self.reward_weights
-        loss_delta = metrics.loss_delta
-        if not math.isfinite(loss_delta):
-            return FAILURE_PENALTY
-        reward = (
-            w["speedup"] * math.log(max(metrics.speedup, 1e-9))
-            - w["memory"] * math.log(max(metrics.memory_ratio, 1e-9))
-            - w["accuracy"] * max(0.0, loss_delta)
-        )
-        if loss_delta > self.accuracy_tolerance:
-            reward -= TOLERANCE_PENALTY + TOLERANCE_SLOPE * (loss_delta - self.accuracy_tolerance)
-        return float(reward) if math.isfinite(reward) else FAILURE_PENALTY
+        return reward(metrics, self.reward_weights, self.accuracy_tolerance)
+
+
+def reward(
+    metrics: Any,
+    weights: Mapping[str, float] | None = None,
+    accuracy_tolerance: float = 0.05,
+) -> float:
+    """The reward of evaluated ``metrics`` (:class:`PrecisionEnv`'s formula), always finite.
+
+    Args:
+        metrics: an :class:`~autoprec.evaluate.Metrics` (or anything with ``diverged``,
+            ``feasible``, ``loss_delta``, ``speedup`` and ``memory_ratio``).
+        weights: ``{"speedup", "memory", "accuracy"}``; missing keys keep
+            :data:`DEFAULT_REWARD_WEIGHTS`.
+        accuracy_tolerance: the ``loss_delta`` above which the tolerance penalty applies.
+    """
+    if metrics.diverged or not metrics.feasible:
+        return FAILURE_PENALTY
+    w = {**DEFAULT_REWARD_WEIGHTS, **(weights or {})}
+    loss_delta = metrics.loss_delta
+    if not math.isfinite(loss_delta):
+        return FAILURE_PENALTY
+    value = (
+        w["speedup"] * math.log(max(metrics.speedup, 1e-9))
+        - w["memory"] * math.log(max(metrics.memory_ratio, 1e-9))
+        - w["accuracy"] * max(0.0, loss_delta)
+    )
+    if loss_delta > accuracy_tolerance:
+        value -= TOLERANCE_PENALTY + TOLERANCE_SLOPE * (loss_delta - accuracy_tolerance)
+    return float(value) if math.isfinite(value) else FAILURE_PENALTY
 
 
 def _seconds(cost: Any) -> float:
