@@ -140,7 +140,7 @@ def estimate(
     from autoprec.policy_io import load_policy
 
     spec = load_model(model_name, num_classes=num_classes, image_size=image_size)
-    table = analyze(spec, 1)
+    table = analyze(spec, 1, cache=True)
     policy = precision if policy_file is None else load_policy(policy_file)
     result = CostModel(device).step(table, policy, optimizer=optimizer, batch_size=batch_size)
     if as_json:

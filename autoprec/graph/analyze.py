@@ -10,6 +10,7 @@ and stride, and the seed rule's default precision (convolutions and matmuls may 
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import math
 from collections.abc import Iterator
@@ -23,9 +24,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
+from autoprec.cache import cache_dir, write_atomic
 from autoprec.layers import model_fingerprint, tunable_layers
 
 FLOP_UNIT = "FLOPs (2 per multiply-add)"
+TABLE_VERSION = 1  # bump when what analyze() measures changes: old cached tables are ignored
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,23 @@ class LayerTable:
             d["kernel_size"], d["stride"] = list(row.kernel_size), list(row.stride)
             out.append(d)
         return out
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any]) -> LayerTable:
+        """The inverse of ``json.loads(table.to_json())``."""
+        rows = []
+        for d in doc["layers"]:
+            d = dict(d, kernel_size=tuple(d["kernel_size"]), stride=tuple(d["stride"]))
+            rows.append(LayerRow(**d))
+        return cls(
+            model=doc["model"],
+            fingerprint=doc["fingerprint"],
+            batch_size=int(doc["batch_size"]),
+            input_shape=tuple(doc["input_shape"]),
+            rows=tuple(rows),
+            total_forward_flops=int(doc["total_forward_flops"]),
+            flop_unit=doc.get("flop_unit", FLOP_UNIT),
+        )
 
     def to_json(self, path: str | Path | None = None) -> str:
         doc = {
@@ -214,21 +234,51 @@ class _Traffic(TorchDispatchMode):
         }
 
 
-def analyze(spec: Any, batch: int | tuple[torch.Tensor, torch.Tensor] = 2) -> LayerTable:
+def analyze(
+    spec: Any, batch: int | tuple[torch.Tensor, torch.Tensor] = 2, *, cache: bool = False
+) -> LayerTable:
     """Analyse ``spec.module`` on one batch.
 
     Args:
         spec: a :class:`~autoprec.models.ModelSpec` (anything with ``module``, ``name``,
             ``loss(output, target)`` and ``example_batch(n)``).
         batch: a batch size (random example inputs) or an ``(inputs, targets)`` pair.
+        cache: reuse/store the table under ``$AUTOPREC_CACHE_DIR/analysis``, keyed by the model
+            name, its fingerprint (module names, types and parameter shapes), the input and
+            target shapes and dtypes, and the torch version. Leave it off for a model whose
+            forward changes without its parameters changing.
 
     Returns:
         The :class:`LayerTable`; FLOPs are for that batch.
     """
+    x, y = spec.example_batch(batch) if isinstance(batch, int) else batch
+    path = None
+    if cache:
+        key = [
+            TABLE_VERSION,
+            getattr(spec, "name", type(spec.module).__name__),
+            model_fingerprint(spec.module),
+            [list(x.shape), str(x.dtype), list(y.shape), str(y.dtype)],
+            torch.__version__,
+        ]
+        digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:24]
+        path = cache_dir() / "analysis" / f"{digest}.json"
+        if path.exists():
+            try:
+                return LayerTable.from_dict(json.loads(path.read_text()))
+            except (ValueError, KeyError, TypeError):
+                pass  # an unreadable cache entry is recomputed and replaced
+    table = _analyze(spec, x, y)
+    if path is not None:
+        text = table.to_json()
+        write_atomic(path, lambda fh: fh.write(text))
+    return table
+
+
+def _analyze(spec: Any, x: torch.Tensor, y: torch.Tensor) -> LayerTable:
     # Shapes are all the analysis needs: run a copy on the meta device, so any batch size and
     # image size cost milliseconds and the user's model is never touched.
     model: nn.Module = copy.deepcopy(spec.module).to("meta")
-    x, y = spec.example_batch(batch) if isinstance(batch, int) else batch
     x, y = x.to("meta"), y.to("meta")
     layers = dict(tunable_layers(model))
     order: list[str] = []

@@ -111,3 +111,18 @@ def test_traffic_of_the_work_between_layers():
     assert (first.other_bytes_forward, first.other_ops_forward) == (2 * 2 * 8 * 4, 1)  # relu
     assert last.other_ops_forward >= 1  # the loss
     assert first.other_bytes_backward > 0 and last.other_bytes_backward > 0
+
+
+def test_cached_table_is_the_same_and_keyed_by_shape(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOPREC_CACHE_DIR", str(tmp_path))
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 10))
+    spec = Spec("small", model, (1, 8, 8))
+    fresh = analyze(spec, 4, cache=True)
+    files = list((tmp_path / "analysis").glob("*.json"))
+    assert len(files) == 1
+    assert analyze(spec, 4, cache=True) == fresh == analyze(spec, 4)
+    assert analyze(spec, 8, cache=True).batch_size == 8  # another batch: another entry
+    assert len(list((tmp_path / "analysis").glob("*.json"))) == 2
+    files[0].write_text("{not json")  # a damaged entry is recomputed and replaced
+    assert analyze(spec, 4, cache=True) == fresh
+    assert json.loads(files[0].read_text())["batch_size"] == 4
