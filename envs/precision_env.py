@@ -66,7 +66,7 @@ class PrecisionEnv(gym.Env):
 
     ## Observation Space
 
-    ``Box(0, 1, shape=(12 + len(precisions) + 2,), float32)``; every entry is clipped into
+    ``Box(0, 1, shape=(12 + 2 * len(precisions) + 2,), float32)``; every entry is clipped into
     ``[0, 1]``. ``log`` features are ``log1p(x) / log1p(max over layers)``.
 
     | index            | observation                                                   |
@@ -80,11 +80,16 @@ class PrecisionEnv(gym.Env):
     | 6                | position: relative depth in [0, 1]                            |
     | 7, 8, 9          | layer type one-hot: convolution, linear, attention            |
     | 10, 11           | first layer, last layer flags                                 |
-    | 12 .. 12+K-1     | one-hot of the previous layer's applied precision (K choices; |
-    |                  | all zero on the first layer)                                  |
-    | 12+K             | predicted time so far: cost-model forward + backward seconds  |
+    | 12 .. 12+K-1     | sensitivity of the current layer at each of the K precisions: |
+    |                  | gradient distance (1 - cosine with the fp32 gradient) with    |
+    |                  | only this layer lowered, from the evaluator's sensitivity     |
+    |                  | table (``Evaluator.surrogate().table``), log-scaled by the    |
+    |                  | largest over all layers and precisions (fp32: 0)              |
+    | 12+K .. 12+2K-1  | one-hot of the previous layer's applied precision (all zero   |
+    |                  | on the first layer)                                           |
+    | 12+2K            | predicted time so far: cost-model forward + backward seconds  |
     |                  | of the decided layers / the all-fp32 total of every layer     |
-    | 12+K+1           | predicted memory so far: the decided layers' weights,         |
+    | 12+2K+1          | predicted memory so far: the decided layers' weights,         |
     |                  | gradients, low-precision copies and activations / the fp32    |
     |                  | total of every layer                                          |
 
@@ -235,7 +240,7 @@ class PrecisionEnv(gym.Env):
             )
         self.evaluator = evaluator
         self.device = evaluator.device
-        self.table = analyze(evaluator.spec, evaluator.batch_size)
+        self.table = analyze(evaluator.spec, evaluator.batch_size, cache=True)
         self.layers = tuple(self.table.names)
         if not self.layers:
             raise ValueError(f"model {evaluator.spec.name!r} has no tunable layers to search")
@@ -243,6 +248,9 @@ class PrecisionEnv(gym.Env):
 
         # Static features, costs and masks: computed once.
         self._static = _static_features(self.table.rows)
+        self._sensitivity = _sensitivity_features(
+            evaluator.surrogate().table, self.layers, self.precisions
+        )
         self._masks = np.array(
             [[self.device.supports(p) for p in self.precisions] for _ in self.layers], dtype=bool
         )
@@ -270,7 +278,7 @@ class PrecisionEnv(gym.Env):
                 raise ValueError(f"{self.device.name} cannot run its preferred low precision {low}")
             self._budget_low = low
 
-        n_features = len(STATIC_FEATURES) + len(self.precisions) + 2
+        n_features = len(STATIC_FEATURES) + 2 * len(self.precisions) + 2
         self.action_space = spaces.Discrete(len(self.precisions))
         self.observation_space = spaces.Box(
             low=0.0, high=1.0, shape=(n_features,), dtype=np.float32
@@ -382,7 +390,8 @@ class PrecisionEnv(gym.Env):
         cost = np.array(
             [time_so_far / self._fp32_time, memory_so_far / self._fp32_memory], dtype=np.float32
         )
-        obs = np.concatenate([self._static[i], previous, cost]).astype(np.float32)
+        obs = np.concatenate([self._static[i], self._sensitivity[i], previous, cost])
+        obs = obs.astype(np.float32)
         return np.clip(np.nan_to_num(obs, nan=0.0), 0.0, 1.0)
 
     def _predicted_speedup(self, policy: Mapping[str, Precision]) -> float:
@@ -463,6 +472,36 @@ def _layer_memory(row: Any, precision: Precision) -> float:
     ratio = _BYTES_RATIO[precision]
     low_copy = row.params * 4 * ratio if ratio < 1 else 0.0
     return 8 * row.params + low_copy + row.input_bytes * ratio + row.output_bytes
+
+
+def _sensitivity_features(
+    table: Any, layers: Sequence[str], precisions: Sequence[Precision]
+) -> np.ndarray:
+    """[layer][action] gradient distance (1 - cosine) at that precision, log-scaled jointly.
+
+    ``log1p(d) / log1p(max d over every layer and precision)``, so that both layers and
+    precisions compare; fp32, a precision the table did not grade, a layer it does not list
+    and a non-finite entry (the layer diverged alone: worst) are handled as 0, 0, 0 and 1.
+    """
+    graded = {str(p): j for j, p in enumerate(table.precisions)}
+    rows = {name: i for i, name in enumerate(table.layers)}
+    distance = table.matrix("grad_distance")
+    raw = np.zeros((len(layers), len(precisions)), dtype=np.float64)
+    worst = np.zeros_like(raw, dtype=bool)
+    for i, layer in enumerate(layers):
+        for k, p in enumerate(precisions):
+            if p is Precision.FP32 or layer not in rows or p.value not in graded:
+                continue
+            d = distance[rows[layer]][graded[p.value]]
+            if math.isfinite(d):
+                raw[i, k] = max(d, 0.0)
+            else:
+                worst[i, k] = True
+    logs = np.log1p(raw)
+    top = logs.max()
+    scaled = logs / top if top > 0 else np.zeros_like(logs)
+    scaled[worst] = 1.0
+    return np.clip(scaled, 0.0, 1.0).astype(np.float32)
 
 
 def _static_features(rows: Sequence[Any]) -> np.ndarray:

@@ -57,8 +57,16 @@ def test_make_after_import_and_masked_random_episode():
     inner = env.unwrapped
     assert isinstance(inner, PrecisionEnv)
     assert inner.layers == LAYERS
-    assert env.observation_space.shape == (len(STATIC_FEATURES) + 5 + 2,)
+    assert env.observation_space.shape == (len(STATIC_FEATURES) + 2 * 5 + 2,)
     assert env.get_wrapper_attr("action_masks")().all()  # h100 runs all five
+    obs, _ = env.reset(seed=0)
+    sens = obs[len(STATIC_FEATURES) : len(STATIC_FEATURES) + 5]
+    table = inner.evaluator.surrogate().table
+    assert sens[0] == 0.0  # fp32 is the reference
+    # fp8 moves the first layer's gradient more than bf16, and bf16 more than tf32
+    assert sens[4] > sens[2] > sens[1] >= 0
+    assert inner._sensitivity.max() == pytest.approx(1.0)
+    assert table.layers == LAYERS
 
     steps, reward, info = _masked_episode(inner, np.random.default_rng(0))
     assert steps == len(LAYERS)
@@ -78,7 +86,7 @@ def test_a100_masks_fp8_and_remaps_to_the_next_wider():
     assert mask.dtype == bool and not mask[fp8] and mask.sum() == 4
     obs, reward, terminated, _, info = env.step(fp8)
     assert info["remapped"] and (info["requested"], info["precision"]) == ("fp8", "fp16")
-    assert obs[len(STATIC_FEATURES) + fp16] == 1.0  # the previous action is the applied one
+    assert obs[len(STATIC_FEATURES) + 5 + fp16] == 1.0  # the previous action is the applied one
     for _ in LAYERS[1:]:
         obs, reward, terminated, _, info = env.step(fp8)
         assert env.observation_space.contains(obs)
