@@ -133,13 +133,13 @@ class PrecisionEnv(gym.Env):
     ## Budget mode
 
     With ``target_speedup`` set, before evaluation the policy is made to meet that predicted
-    speedup over fp32 (``CostModel.step`` at the evaluator's batch size): while it is below the
-    target, the most expensive remaining fp32/tf32 layer (by its fp32 forward + backward cost)
-    is lowered to the device's preferred low precision (``DeviceSpec.preferred.low``), skipping a
-    layer whose lowering does not raise the predicted speedup (on small layers the casts can
-    cost more than the narrower matmul saves). If the candidates run out first, the policy is
-    evaluated as it is and ``info["budget_met"]`` is False. Nothing is raised above what the
-    agent chose.
+    speedup over fp32 (``CostModel.step`` at the evaluator's ``cost_batch_size``): while it is
+    below the target, the most expensive remaining fp32/tf32 layer (by its fp32 forward +
+    backward cost) is lowered to the device's preferred low precision
+    (``DeviceSpec.preferred.low``), skipping a layer whose lowering does not raise the predicted
+    speedup (on small layers the casts can cost more than the narrower matmul saves). If the
+    candidates run out first, the policy is evaluated as it is and ``info["budget_met"]`` is
+    False. Nothing is raised above what the agent chose.
 
     ## Arguments
 
@@ -240,7 +240,11 @@ class PrecisionEnv(gym.Env):
             )
         self.evaluator = evaluator
         self.device = evaluator.device
-        self.table = analyze(evaluator.spec, evaluator.batch_size, cache=True)
+        self.table = analyze(
+            getattr(evaluator, "cost_spec", evaluator.spec),
+            getattr(evaluator, "cost_batch_size", evaluator.batch_size),
+            cache=True,
+        )
         self.layers = tuple(self.table.names)
         if not self.layers:
             raise ValueError(f"model {evaluator.spec.name!r} has no tunable layers to search")
@@ -395,7 +399,7 @@ class PrecisionEnv(gym.Env):
         return np.clip(np.nan_to_num(obs, nan=0.0), 0.0, 1.0)
 
     def _predicted_speedup(self, policy: Mapping[str, Precision]) -> float:
-        batch = self.evaluator.batch_size
+        batch = self.table.batch_size
         fp32 = self._cost.step(self.table, Precision.FP32, batch_size=batch).step_time_s
         return fp32 / self._cost.step(self.table, dict(policy), batch_size=batch).step_time_s
 

@@ -123,6 +123,12 @@ class Evaluator:
         seed: seeds the warm-start loader, the fixed batches and torch before each run.
         cache_dir: where ``warmstart/*.pt`` and ``evaluations.sqlite`` live; None means
             ``$AUTOPREC_CACHE_DIR`` or ``~/.cache/autoprec``.
+        cost_spec: the model as it will be trained in production, for the cost model's step
+            time and memory (same layer names; e.g. resnet50 at 224 px while ``spec`` is the
+            same architecture at 32 px for the fine-tuning); None: ``spec``.
+        cost_batch_size: the production batch size for the cost model; None: ``batch_size``.
+        finetune_lr: SGD learning rate while fine-tuning under a policy; None: ``lr``.
+        momentum: SGD momentum while fine-tuning under a policy.
 
     Divergence (a non-finite loss while fine-tuning, an exception in training, or a final
     loss above 10x fp32's) never raises: the result has ``diverged=True``, ``accuracy=0``,
@@ -149,9 +155,13 @@ class Evaluator:
         steps: int | None = None,
         batch_size: int = 32,
         lr: float = 0.05,
+        finetune_lr: float | None = None,
+        momentum: float = 0.9,
         warm_start_steps: int = 200,
         seed: int = 0,
         cache_dir: str | Path | None = None,
+        cost_spec: Any = None,
+        cost_batch_size: int | None = None,
     ) -> None:
         self.spec = spec
         self.data = data
@@ -162,15 +172,32 @@ class Evaluator:
         self.steps = {"short": steps or SHORT_STEPS, "full": FULL_STEPS}
         self.batch_size = batch_size
         self.lr = lr
+        self.finetune_lr = lr if finetune_lr is None else finetune_lr
+        self.momentum = momentum
         self.warm_start_steps = warm_start_steps
         self.seed = seed
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        self.cost_spec = spec if cost_spec is None else cost_spec
+        self.cost_batch_size = batch_size if cost_batch_size is None else int(cost_batch_size)
+        if self.cost_batch_size < 1:
+            raise ValueError(f"cost_batch_size must be >= 1, got {cost_batch_size!r}")
         self.measured = torch.cuda.is_available() and detect().name == self.device.name
         self.mode = "native" if self.measured else "emulate"
         self.fingerprint = model_fingerprint(spec.module)
         warm = {"steps": warm_start_steps, "lr": lr, "batch_size": batch_size}
         self._warm_key = _sha([self.fingerprint, data.key, seed, warm])
-        settings = {**warm, "device": self.device.name, "mode": self.mode, "steps": self.steps}
+        settings = {
+            **warm,
+            "finetune": [self.finetune_lr, momentum],
+            "cost": [
+                model_fingerprint(self.cost_spec.module),
+                list(getattr(self.cost_spec, "input_shape", None) or []),
+                self.cost_batch_size,
+            ],
+            "device": self.device.name,
+            "mode": self.mode,
+            "steps": self.steps,
+        }
         self._settings_key = _sha([self.fingerprint, data.key, seed, settings])
         self._store = EvaluationStore(self.cache_dir / "evaluations.sqlite")
         self._memo: dict[str, Metrics] = {}
@@ -347,7 +374,7 @@ class Evaluator:
         try:
             handle = apply_policy(model, policy, mode=self.mode)
             scaler = LossScaler.from_config(policy.loss_scaling, device=dev)
-            opt = torch.optim.SGD(model.parameters(), lr=self.lr, momentum=0.9)
+            opt = torch.optim.SGD(model.parameters(), lr=self.finetune_lr, momentum=self.momentum)
             times = self._fine_tune(model, batches, opt, scaler, dev, run)
             run.loss_scale = scaler.summary()
             if not run.diverged:
@@ -418,11 +445,11 @@ class Evaluator:
         if self._table is None:
             from autoprec.graph import analyze
 
-            self._table = analyze(self.spec, self.batch_size)
+            self._table = analyze(self.cost_spec, self.cost_batch_size, cache=True)
         runnable = {
             n: (p if self.device.supports(p) else Precision.FP32) for n, p in precisions.items()
         }
-        est = self._cost.step(self._table, runnable, batch_size=self.batch_size)
+        est = self._cost.step(self._table, runnable, batch_size=self.cost_batch_size)
         return est.step_time_s, int(est.memory_bytes)
 
     def _amp_cost(self, fidelity: str) -> tuple[float, int]:

@@ -121,3 +121,16 @@ def test_metrics_round_trip_and_bad_arguments(spec, data):
         ev.evaluate(3)
     with pytest.raises(ValueError, match="source"):
         dataclasses.replace(m, source="guess")
+
+
+def test_cost_comes_from_the_production_shape_not_the_fine_tuning_one(spec, data):
+    from autoprec.models import load_model
+
+    small = Evaluator(spec, data, "h100-sxm", **SMALL)
+    big_spec = load_model("tinycnn", num_classes=10, image_size=64)
+    big = Evaluator(spec, data, "h100-sxm", cost_spec=big_spec, cost_batch_size=256, **SMALL)
+    s, b = small.evaluate("bf16"), big.evaluate("bf16")
+    assert s.loss == b.loss  # the same fine-tuning
+    assert b.step_time_s > 2 * s.step_time_s and b.memory_bytes > 10 * s.memory_bytes
+    with pytest.raises(ValueError, match="cost_batch_size"):
+        Evaluator(spec, data, "h100-sxm", cost_batch_size=0)
