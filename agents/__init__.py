@@ -1,1 +1,78 @@
-"""autoprec.agents (see DESIGN.md)."""
+"""Search agents: find per-layer training precisions for one model on one target.
+
+Every agent searches a :class:`Problem` (an :class:`~autoprec.evaluate.Evaluator` and how its
+metrics are scored) within a budget of real evaluations and returns a :class:`SearchResult`
+(its trials, the best one, the Pareto front). The agents, by name (:data:`AGENTS`):
+
+* ``ppo``: MaskablePPO on :class:`~autoprec.envs.PrecisionEnv`, trained on the surrogate;
+  the budget goes to its best proposals;
+* ``tpe``, ``nsga2``: Optuna samplers (single objective: the reward; multi-objective:
+  loss_delta, speedup, memory_ratio), with optional RDB storage to resume or share a study;
+* ``random``: a uniform random precision per layer;
+* ``greedy``: sensitivity-ordered progressive lowering (also the migration tool);
+* ``baseline``: fp32, AMP-bf16, AMP-fp16 and the hardware's default rule.
+
+Example:
+    >>> from autoprec.agents import Problem, search
+    >>> from autoprec.data import load_dataset_for
+    >>> from autoprec.evaluate import Evaluator
+    >>> from autoprec.models import load_model
+    >>> spec = load_model("tinycnn", num_classes=10)
+    >>> evaluator = Evaluator(spec, load_dataset_for(spec, "digits"), target="h100-sxm")
+    >>> result = search(Problem(evaluator), budget=20, agent="tpe", seed=0)  # doctest: +SKIP
+    >>> result.best.reward, result.best.policy  # doctest: +SKIP
+    (0.41, {'conv1': 'tf32', 'conv2': 'bf16', 'fc1': 'bf16', 'fc2': 'fp32'})
+    >>> policy = result.best_policy(spec)  # doctest: +SKIP
+
+A callback sees every trial and may end the search (e.g. on SIGTERM)::
+
+    class Stop:
+        def on_trial(self, trial, result):
+            if stop_requested:
+                raise StopSearch
+
+The agent modules import optuna and stable-baselines3 only when a search runs.
+"""
+
+from __future__ import annotations
+
+from autoprec.agents.base import (
+    Agent,
+    Problem,
+    SearchCallback,
+    SearchResult,
+    Session,
+    StopSearch,
+    Trial,
+    search,
+)
+from autoprec.agents.optuna_agents import NSGA2Agent, TPEAgent
+from autoprec.agents.ppo import PPOAgent
+from autoprec.agents.simple import BaselineAgent, GreedyAgent, RandomAgent
+
+AGENTS: dict[str, type[Agent]] = {
+    "ppo": PPOAgent,
+    "tpe": TPEAgent,
+    "nsga2": NSGA2Agent,
+    "random": RandomAgent,
+    "greedy": GreedyAgent,
+    "baseline": BaselineAgent,
+}
+
+__all__ = [
+    "AGENTS",
+    "Agent",
+    "BaselineAgent",
+    "GreedyAgent",
+    "NSGA2Agent",
+    "PPOAgent",
+    "Problem",
+    "RandomAgent",
+    "SearchCallback",
+    "SearchResult",
+    "Session",
+    "StopSearch",
+    "TPEAgent",
+    "Trial",
+    "search",
+]

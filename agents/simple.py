@@ -1,0 +1,163 @@
+"""The agents without a learner: ``baseline``, ``random`` and ``greedy``."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from autoprec.agents.base import Agent, Session, nearest_allowed
+from autoprec.precision import Precision, parse_precision
+
+
+def baseline_policies(session: Session) -> list[tuple[str, dict[str, str]]]:
+    """``(name, {layer: precision})`` of the rules a user gets without searching.
+
+    Uniform fp32, blanket AMP at bf16 and at fp16 (each only where the target runs it and it
+    is in the problem's precisions) and the target's default rule
+    (:func:`autoprec.hardware.default_policy`, its precisions fitted to the choices); a rule
+    that repeats an earlier one is left out.
+    """
+    from autoprec.hardware.defaults import default_policy
+
+    problem = session.problem
+    layers = problem.layers()
+    device = problem.evaluator.device
+    out: list[tuple[str, dict[str, str]]] = [("fp32", dict.fromkeys(layers, "fp32"))]
+    for low in ("bf16", "fp16"):
+        if device.supports(low) and low in problem.precisions:
+            out.append((f"amp-{low}", dict.fromkeys(layers, low)))
+    rule = default_policy(problem.table, device).resolve(problem.evaluator.spec.module)
+    out.append(("hardware-default", {n: rule.get(n, Precision.FP32).value for n in layers}))
+    unique: list[tuple[str, dict[str, str]]] = []
+    seen: set[tuple[str, ...]] = set()
+    for name, policy in out:
+        full = problem.complete(policy)
+        key = session.key(full)
+        if key not in seen:
+            seen.add(key)
+            unique.append((name, full))
+    return unique
+
+
+class BaselineAgent(Agent):
+    """Evaluates the baselines of :func:`baseline_policies`, in order, up to the budget."""
+
+    name = "baseline"
+
+    def run(self, session: Session) -> None:
+        for name, policy in baseline_policies(session):
+            if session.exhausted:
+                return
+            session.evaluate(policy, name=name)
+
+
+class RandomAgent(Agent):
+    """Uniform random precision per layer among the supported ones (numpy, seeded).
+
+    Args:
+        max_repeats: give up after this many proposals in a row that were already evaluated
+            (the search space may be smaller than the budget).
+    """
+
+    name = "random"
+
+    def __init__(self, max_repeats: int = 1000) -> None:
+        self.max_repeats = max_repeats
+
+    def run(self, session: Session) -> None:
+        import numpy as np
+
+        rng = np.random.default_rng(session.seed)
+        problem = session.problem
+        layers = problem.layers()
+        choices = {name: problem.choices(name) for name in layers}
+        space = math.prod(len(c) for c in choices.values())
+        repeats = 0
+        while not session.exhausted and session.used < space and repeats < self.max_repeats:
+            policy = {n: choices[n][int(rng.integers(len(choices[n])))] for n in layers}
+            before = session.used
+            session.evaluate(policy)
+            repeats = repeats + 1 if session.used == before else 0
+
+
+class GreedyAgent(Agent):
+    """Progressive lowering in order of least sensitivity (also the migration tool).
+
+    Starts from uniform fp32 (``start="fp32"``) or the target's default rule
+    (``start="default"``) and evaluates it. Layers are then visited from the least to the most
+    sensitive: the sensitivity of a layer is ``|loss_delta|`` at the narrowest allowed
+    precision in the evaluator's surrogate sensitivity table (``evaluator.surrogate().table``).
+    Each layer is lowered one precision at a time (e.g. fp32 -> tf32 -> bf16 -> fp16 -> fp8,
+    among the allowed ones); a lowering is kept when the real evaluation neither diverges nor
+    exceeds the accuracy tolerance and its reward beats the best so far. A lowering that only
+    fails to raise the reward does not stop the walk down (a narrower format may pay off where
+    the next one does not); one that breaks the tolerance does. Passes over the layers repeat
+    while one changes something, until the budget is spent.
+
+    Args:
+        start: ``"fp32"`` or ``"default"``.
+        max_passes: most passes over the layers.
+    """
+
+    name = "greedy"
+
+    def __init__(self, start: str = "fp32", max_passes: int = 3) -> None:
+        if start not in ("fp32", "default"):
+            raise ValueError(f"start must be 'fp32' or 'default', got {start!r}")
+        if max_passes < 1:
+            raise ValueError(f"max_passes must be >= 1, got {max_passes!r}")
+        self.start = start
+        self.max_passes = max_passes
+
+    def order(self, session: Session) -> list[str]:
+        """Layers from the least to the most sensitive (ties: execution order)."""
+        problem = session.problem
+        layers = problem.layers()
+        table = problem.evaluator.surrogate().table
+        scores = {}
+        for name in layers:
+            allowed = problem.choices(name)
+            lowest = min(allowed, key=lambda p: parse_precision(p).width)
+            scores[name] = _sensitivity(table, name, lowest)
+        return sorted(layers, key=lambda n: scores[n])  # stable: ties keep execution order
+
+    def run(self, session: Session) -> None:
+        problem = session.problem
+        if self.start == "default":
+            current = dict(baseline_policies(session))["hardware-default"]
+        else:
+            current = problem.complete({})
+        best = session.evaluate(current, step="start")
+        order = self.order(session)
+        for _ in range(self.max_passes):
+            changed = False
+            for name in order:
+                narrower = _narrower(current[name], problem.choices(name))
+                for precision in narrower:
+                    if session.exhausted and session.seen({**current, name: precision}) is None:
+                        return
+                    trial = session.evaluate({**current, name: precision}, step=name)
+                    m = trial.metrics
+                    if m.diverged or not m.feasible or m.loss_delta > problem.accuracy_tolerance:
+                        break
+                    if trial.reward > best.reward:
+                        best, current, changed = trial, dict(trial.policy), True
+            if not changed:
+                return
+
+
+def _narrower(precision: str, allowed: list[str]) -> list[str]:
+    """Allowed precisions narrower than ``precision``, the widest first."""
+    width = parse_precision(precision).width
+    lower = [p for p in allowed if parse_precision(p).width < width]
+    return sorted(lower, key=lambda p: -parse_precision(p).width)
+
+
+def _sensitivity(table: Any, layer: str, precision: str) -> float:
+    """``|loss_delta|`` of ``layer`` at ``precision`` (or the nearest wider one in the table);
+    infinite when the table does not know the layer or the value is not finite."""
+    if layer not in table.layers:
+        return math.inf
+    column = nearest_allowed(precision, list(table.precisions))
+    value = table.loss_delta[table.layers.index(layer)][table.precisions.index(column)]
+    return abs(value) if math.isfinite(value) else math.inf

@@ -1,0 +1,334 @@
+"""The search agents: one shared suite every agent passes, then each agent's own behaviour."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from autoprec.agents import AGENTS, Problem, SearchResult, StopSearch, Trial, search
+from autoprec.policy import PrecisionPolicy
+
+# Small settings per agent, so that every search here takes a second or two.
+FAST = {
+    "ppo": {"timesteps": 128, "proposals": 4},
+    "tpe": {},
+    "nsga2": {},
+    "random": {},
+    "greedy": {},
+    "baseline": {},
+}
+
+
+def _dominates(a: Trial, b: Trial) -> bool:
+    x = (a.metrics.loss_delta, -a.metrics.speedup, a.metrics.memory_ratio)
+    y = (b.metrics.loss_delta, -b.metrics.speedup, b.metrics.memory_ratio)
+    return all(p <= q for p, q in zip(x, y, strict=True)) and x != y
+
+
+def check_result(result: SearchResult, problem: Problem, budget: int) -> None:
+    """What every SearchResult must satisfy."""
+    real = result.real_trials
+    assert 0 < len(real) <= budget == result.budget
+    assert [t.number for t in result.trials] == list(range(len(result.trials)))
+    allowed = set(problem.supported())
+    for t in result.trials:
+        assert list(t.policy) == problem.layers()
+        assert set(t.policy.values()) <= allowed
+        assert math.isfinite(t.reward)
+        assert t.reward == pytest.approx(problem.reward(t.metrics))
+        assert t.fidelity == t.metrics.fidelity
+    assert all(t.fidelity == problem.fidelity for t in real)
+    assert len({tuple(t.policy.values()) for t in real}) == len(real)  # no policy twice
+    best = result.best
+    assert best is not None and best in real
+    assert best.reward == max(t.reward for t in real)
+    assert best is next(t for t in real if t.reward == best.reward)  # ties: the earliest
+    front = result.pareto
+    assert front and all(t in real and not t.metrics.diverged for t in front)
+    for a in front:
+        assert not any(_dominates(b, a) for b in front)
+    for t in real:
+        if t not in front and not t.metrics.diverged:
+            assert any(_dominates(f, t) for f in front)
+    json.dumps(result.to_dict())  # JSON-ready
+    assert result.wall_time_s > 0
+
+
+# --- the shared suite -------------------------------------------------------------------------
+@pytest.mark.parametrize("agent", sorted(AGENTS))
+def test_every_agent_returns_a_valid_result_within_its_budget(agent, make_problem):
+    problem = make_problem()
+    seen = []
+
+    class Record:
+        def on_trial(self, trial, result):
+            seen.append(trial.number)
+
+    result = search(problem, budget=5, seed=0, callbacks=[Record()], agent=agent, **FAST[agent])
+    check_result(result, problem, budget=5)
+    assert result.agent == agent and not result.stopped
+    assert seen == [t.number for t in result.trials]  # every trial, real or surrogate, once
+    assert "fp8" not in {p for t in result.trials for p in t.policy.values()}  # a100: no fp8
+    assert problem.evaluator.runs <= 5 + 1  # + the fp32 reference
+    if agent != "baseline":
+        assert len(result.real_trials) == 5
+
+
+@pytest.mark.parametrize("agent", ["random", "tpe", "ppo"])
+def test_stop_search_from_a_callback_returns_the_partial_result(agent, make_problem, tmp_path):
+    problem = make_problem()
+
+    class StopAfterTwo:
+        def __init__(self):
+            self.calls = 0
+
+        def on_trial(self, trial, result):
+            self.calls += 1
+            if self.calls == 2:
+                raise StopSearch
+
+    kwargs = dict(FAST[agent])
+    if agent == "ppo":
+        kwargs["checkpoint_dir"] = tmp_path / "ckpt"
+    result = search(problem, budget=10, callbacks=[StopAfterTwo()], agent=agent, **kwargs)
+    assert result.stopped and len(result.trials) == 2
+    if agent == "ppo":  # stopped while training on the surrogate; the model is saved
+        assert not result.real_trials
+        assert (tmp_path / "ckpt" / "ppo_model.zip").exists()
+    else:
+        assert len(result.real_trials) == 2 and result.best is not None
+
+
+@pytest.mark.parametrize("agent", ["random", "tpe", "nsga2"])
+def test_same_seed_same_trials(agent, make_problem):
+    problem = make_problem()
+    first = search(problem, budget=6, seed=3, agent=agent)
+    second = search(problem, budget=6, seed=3, agent=agent)
+    assert [t.policy for t in first.trials] == [t.policy for t in second.trials]
+    assert [t.reward for t in first.trials] == [t.reward for t in second.trials]
+
+
+# --- the API ----------------------------------------------------------------------------------
+def test_bad_arguments_raise_value_errors(make_problem):
+    problem = make_problem()
+    with pytest.raises(ValueError, match="unknown agent 'sgd'.*ppo, tpe, nsga2"):
+        search(problem, budget=3, agent="sgd")
+    with pytest.raises(ValueError, match="takes no option.*'population_size'"):
+        search(problem, budget=3, agent="tpe", population_size=4)
+    with pytest.raises(ValueError, match="budget must be an integer >= 1"):
+        search(problem, budget=0, agent="random")
+    with pytest.raises(ValueError, match="fidelity must be a real one"):
+        Problem(problem.evaluator, fidelity="surrogate")
+    with pytest.raises(ValueError, match="unknown precision 'bf8'"):
+        Problem(problem.evaluator, precisions=("fp32", "bf8"))
+    with pytest.raises(ValueError, match="none of the precisions fp8 runs"):
+        Problem(problem.evaluator, precisions=("fp8",))
+    with pytest.raises(ValueError, match="start must be"):
+        search(problem, budget=3, agent="greedy", start="bf16")
+
+
+def test_default_action_set_is_the_environments():
+    from autoprec.agents.base import DEFAULT_PRECISIONS
+    from autoprec.envs.precision_env import DEFAULT_PRECISIONS as ENV_PRECISIONS
+
+    assert DEFAULT_PRECISIONS == ENV_PRECISIONS
+
+
+def test_import_is_light():
+    code = (
+        "import sys, autoprec.agents; "
+        "print(sorted(m for m in ('torch', 'optuna', 'stable_baselines3', 'gymnasium') "
+        "if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_small_space_is_exhausted_without_repeats(make_problem):
+    problem = make_problem(precisions=("fp32", "bf16"))  # 2**4 = 16 policies
+    result = search(problem, budget=40, seed=0, agent="random")
+    assert len(result.real_trials) == 16
+    assert problem.evaluator.runs <= 16
+
+
+def test_best_policy_carries_metrics_provenance_and_loss_scaling(make_problem, spec):
+    problem = make_problem()
+    result = search(problem, budget=4, agent="baseline")
+    names = [t.attrs["name"] for t in result.trials]
+    assert names == ["fp32", "amp-bf16", "amp-fp16", "hardware-default"]
+    fp16 = result.trials[2]
+    fp16_policy = SearchResult(agent="x", trials=[fp16], budget=1).best_policy(spec)
+    assert fp16_policy.loss_scaling is not None  # evaluated with dynamic loss scaling
+    policy = result.best_policy(spec)
+    assert isinstance(policy, PrecisionPolicy)
+    assert dict(policy.layers) == result.best.policy
+    assert policy.metrics["reward"] == pytest.approx(result.best.reward)
+    assert policy.provenance["agent"] == "baseline"
+    assert policy.target.device == problem.evaluator.device.name
+    assert policy.model.tunable_layers == len(problem.layers())
+    assert PrecisionPolicy.from_dict(policy.to_dict()) == policy
+    assert SearchResult(agent="x").best_policy(spec) is None
+    assert Trial.from_dict(json.loads(json.dumps(fp16.to_dict()))) == fp16
+
+
+def test_baselines_hit_the_evaluators_cache_of_the_policies_themselves(make_problem):
+    from autoprec.hardware.defaults import amp_policy, default_policy
+
+    problem = make_problem()
+    search(problem, budget=4, agent="baseline")
+    ev = problem.evaluator
+    runs = ev.runs
+    ev.evaluate(amp_policy(ev.device, "fp16"))
+    ev.evaluate(default_policy(problem.table, ev.device))
+    assert ev.runs == runs
+
+
+def test_baseline_skips_what_is_not_in_the_action_set(make_problem):
+    problem = make_problem(precisions=("fp32", "bf16"))
+    result = search(problem, budget=10, agent="baseline")
+    names = [t.attrs["name"] for t in result.trials]
+    assert names[:2] == ["fp32", "amp-bf16"] and "amp-fp16" not in names
+
+
+# --- greedy -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("start", ["fp32", "default"])
+def test_greedy_lowers_least_sensitive_first_and_keeps_the_tolerance(start, make_problem):
+    from autoprec.agents import GreedyAgent
+    from autoprec.agents.base import Session
+
+    problem = make_problem()
+    result = search(problem, budget=8, agent="greedy", start=start)
+    check_result(result, problem, budget=8)
+    first = result.trials[0]
+    assert first.attrs["step"] == "start"
+    if start == "fp32":
+        assert set(first.policy.values()) == {"fp32"}
+    order = GreedyAgent().order(Session(problem, 1, 0, (), "greedy"))
+    assert sorted(order) == sorted(problem.layers())
+    positions = [order.index(t.attrs["step"]) for t in result.trials[1:]]
+    descents = sum(b < a for a, b in zip(positions[:-1], positions[1:], strict=True))
+    assert descents <= 2  # one layer after the other, in at most max_passes=3 passes
+    best = result.best
+    assert best.reward >= first.reward
+    if best is not first:
+        assert best.metrics.loss_delta <= problem.accuracy_tolerance
+
+
+# --- optuna -----------------------------------------------------------------------------------
+def test_tpe_resumes_a_study_without_repeating_it(make_problem, tmp_path):
+    import optuna
+
+    problem = make_problem()
+    storage = f"sqlite:///{tmp_path / 'optuna.db'}"
+    first = search(problem, budget=3, agent="tpe", storage=storage, study_name="s")
+    assert len(first.real_trials) == 3 and problem.evaluator.runs == 3
+    second = search(problem, budget=6, agent="tpe", storage=storage, study_name="s")
+    check_result(second, problem, budget=6)
+    assert len(second.real_trials) == 6
+    assert [t.attrs.get("loaded", False) for t in second.trials] == [True] * 3 + [False] * 3
+    assert [t.policy for t in second.trials[:3]] == [t.policy for t in first.trials]
+    assert problem.evaluator.runs == 6  # each policy trained once
+    study = optuna.load_study(study_name="s", storage=storage)
+    complete = study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))
+    assert len(complete) == 6
+    assert all({"metrics", "reward", "fidelity"} <= set(t.user_attrs) for t in complete)
+    numbers = [t.attrs["optuna_trial"] for t in second.trials]
+    assert len(set(numbers)) == 6
+    again = search(problem, budget=6, agent="tpe", storage=storage, study_name="s")
+    assert len(again.real_trials) == 6 and problem.evaluator.runs == 6  # nothing left to do
+
+
+def test_a_study_of_another_fidelity_is_refused(make_problem, tmp_path):
+    storage = f"sqlite:///{tmp_path / 'optuna.db'}"
+    search(make_problem(), budget=1, agent="tpe", storage=storage, study_name="s")
+    with pytest.raises(ValueError, match="study 's' was made for fidelity='short'"):
+        search(
+            make_problem(fidelity="full"), budget=1, agent="tpe", storage=storage, study_name="s"
+        )
+
+
+WORKER = """
+import json, sys, torch
+torch.set_num_threads(1)
+from autoprec.agents import Problem, search
+from autoprec.data import load_dataset_for
+from autoprec.evaluate import Evaluator
+from autoprec.models import load_model
+storage, seed, budget = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+torch.manual_seed(0)
+spec = load_model("tinycnn", num_classes=10)
+data = load_dataset_for(spec, "digits", seed=0)
+ev = Evaluator(spec, data, "a100-40gb-sxm", steps=5, warm_start_steps=20)
+r = search(Problem(ev), budget=budget, seed=seed, agent="tpe", storage=storage, study_name="w")
+own = sum(1 for t in r.real_trials if not t.attrs.get("loaded"))
+print(json.dumps({"real": len(r.real_trials), "own": own, "runs": ev.runs}))
+"""
+
+
+def test_two_processes_share_one_study_and_its_budget(tmp_path):
+    import optuna
+
+    storage = f"sqlite:///{tmp_path / 'shared.db'}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    budget = 8
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-c", WORKER, storage, str(seed), str(budget)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for seed in (1, 2)
+    ]
+    reports = []
+    for worker in workers:
+        out, err = worker.communicate(timeout=120)
+        assert worker.returncode == 0, err
+        reports.append(json.loads(out.strip().splitlines()[-1]))
+    print(reports)
+    study = optuna.load_study(study_name="w", storage=storage)
+    complete = study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))
+    assert len(complete) == budget
+    assert len({tuple(sorted(t.params.items())) for t in complete}) == budget  # all distinct
+    # Each worker told its own trials; its result also holds those the other had finished.
+    assert sum(r["own"] for r in reports) == budget, reports
+    assert all(r["own"] <= r["real"] <= budget for r in reports), reports
+    assert max(r["real"] for r in reports) == budget, reports  # the last to end saw them all
+
+
+def test_nsga2_with_a_multi_objective_tpe_sampler(make_problem):
+    problem = make_problem()
+    result = search(problem, budget=5, agent="nsga2", sampler="tpe")
+    check_result(result, problem, budget=5)
+    with pytest.raises(ValueError, match="sampler must be"):
+        search(problem, budget=5, agent="nsga2", sampler="cma")
+
+
+# --- ppo --------------------------------------------------------------------------------------
+def test_ppo_records_surrogate_episodes_and_resumes_from_its_checkpoint(make_problem, tmp_path):
+    problem = make_problem()
+    ckpt = tmp_path / "ckpt"
+    result = search(problem, budget=3, agent="ppo", timesteps=128, proposals=4, checkpoint_dir=ckpt)
+    check_result(result, problem, budget=3)
+    surrogate = [t for t in result.trials if not t.real]
+    phases = {t.attrs["phase"] for t in surrogate}
+    assert phases == {"train", "propose"}
+    assert all(t.fidelity == "surrogate" and t.metrics.steps == 0 for t in surrogate)
+    assert result.info["timesteps"] >= 128
+    assert (ckpt / "ppo_model.zip").exists()
+    # Every real trial was proposed by PPO first.
+    proposed = {tuple(t.policy.values()) for t in surrogate}
+    assert all(tuple(t.policy.values()) in proposed for t in result.real_trials)
+
+    resumed = search(
+        problem, budget=3, agent="ppo", timesteps=128, proposals=4, checkpoint_dir=ckpt
+    )
+    assert resumed.info["resumed_from"] == str(ckpt / "ppo_model.zip")
+    assert all(t.attrs["phase"] == "propose" for t in resumed.trials if not t.real)  # no training
+    assert resumed.real_trials
