@@ -14,6 +14,7 @@ from autoprec.cli.analyze import analyze
 from autoprec.cli.formats import formats
 from autoprec.cli.hardware import hardware
 from autoprec.cli.models import models
+from autoprec.cli.search import search
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -26,12 +27,13 @@ cli.add_command(analyze)
 cli.add_command(formats)
 cli.add_command(hardware)
 cli.add_command(models)
+cli.add_command(search)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     try:
-        cli.main(args=argv, prog_name="autoprec", standalone_mode=False)
+        status = cli.main(args=argv, prog_name="autoprec", standalone_mode=False)
     except click.exceptions.Exit as done:
         return done.exit_code
     except click.ClickException as err:
@@ -43,4 +45,5 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         click.echo(f"autoprec: error: {err}", err=True)
         return 2
-    return 0
+    # without standalone mode click returns ctx.exit()'s code (and a command's return value)
+    return status if isinstance(status, int) else 0

@@ -1,0 +1,553 @@
+"""``autoprec search``: find the best per-layer precision policy and export it.
+
+Phases: build the model and data, fp32 warm start and reference (cached), per-layer
+sensitivities (cached), the agent's search, export. Interrupted searches (Ctrl-C, SIGTERM)
+export what they have and exit 130; running the same command again (or with ``--resume``)
+continues without repeating finished evaluations: every evaluation is kept in the evaluator's
+SQLite cache, Optuna trials in ``--storage`` and the PPO agent in a checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import math
+import signal
+import tempfile
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import click
+import yaml
+
+AGENT_NAMES = ("ppo", "tpe", "nsga2", "random", "greedy", "baseline")
+FALLBACK_TARGET = "h100-sxm"
+DEFAULT_STORAGE = "sqlite:///autoprec-search.db"
+SMALL_IMAGE = 32  # fine-tuning image size for torchvision models on a CPU (digits are 8x8)
+
+
+class SearchSetupError(ValueError):
+    """A search cannot start as asked (bad config, precision, output path, ...)."""
+
+
+# --- options -------------------------------------------------------------------------------
+@click.command()
+@click.option("--model", "model_name", default=None, help="Model name (see `autoprec models`).")
+@click.option("--dataset", default="digits", show_default=True, help="Data for fine-tuning.")
+@click.option("--data-dir", type=click.Path(), default=None, help="Folder for cifar/imagefolder.")
+@click.option(
+    "--target",
+    default=None,
+    help=f"Accelerator to optimise for (default: the local GPU; without one, {FALLBACK_TARGET}).",
+)
+@click.option("--agent", type=click.Choice(AGENT_NAMES), default="ppo", show_default=True)
+@click.option(
+    "--budget",
+    type=int,
+    default=12,
+    show_default=True,
+    help="Real (non-surrogate) policy evaluations the agent may spend.",
+)
+@click.option(
+    "--fidelity",
+    type=click.Choice(["short", "full"]),
+    default="short",
+    show_default=True,
+    help="Fine-tuning length of a real evaluation.",
+)
+@click.option("--steps", type=int, default=None, help="Fine-tuning steps at short fidelity.")
+@click.option(
+    "--accuracy-tolerance",
+    type=float,
+    default=0.05,
+    show_default=True,
+    help="Relative training-loss increase over fp32 above which the reward is penalised.",
+)
+@click.option("--w-speedup", type=float, default=1.0, show_default=True)
+@click.option("--w-memory", type=float, default=0.5, show_default=True)
+@click.option("--w-accuracy", type=float, default=10.0, show_default=True)
+@click.option(
+    "--precisions",
+    default="fp32,tf32,bf16,fp16,fp8",
+    show_default=True,
+    help="The precisions the search may choose from (each must run on the target).",
+)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--num-classes", type=int, default=10, show_default=True)
+@click.option(
+    "--image-size",
+    type=int,
+    default=None,
+    help=f"Fine-tuning image size (default {SMALL_IMAGE} for torchvision models).",
+)
+@click.option(
+    "--train-batch-size",
+    type=int,
+    default=256,
+    show_default=True,
+    help="Production batch size: the step time and memory are predicted for it.",
+)
+@click.option(
+    "--train-image-size",
+    type=int,
+    default=None,
+    help="Production image size for the cost (default: the model's own, 224 for torchvision).",
+)
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False),
+    default="best_policy.yaml",
+    show_default=True,
+    help="Where the best policy is written.",
+)
+@click.option(
+    "--pareto-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Also write one policy per Pareto point and pareto.csv here.",
+)
+@click.option(
+    "--storage",
+    default=None,
+    help=f"Optuna storage URL for tpe/nsga2 (default {DEFAULT_STORAGE} in this folder).",
+)
+@click.option("--study-name", default=None, help="Optuna study / checkpoint name.")
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="YAML file with any of these options (flags override it).",
+)
+@click.option(
+    "--resume", is_flag=True, help="Continue the last search of this name (see --study-name)."
+)
+@click.pass_context
+def search(ctx: click.Context, **options: Any) -> None:
+    """Search per-layer precisions for training MODEL on TARGET, and export the best policy."""
+    opts = _merge_config(ctx, options)
+    if not opts["model_name"]:
+        raise click.UsageError("--model is required (or `model:` in --config)")
+    run = _SearchRun(opts)
+    ctx.exit(run.main())
+
+
+def _merge_config(ctx: click.Context, options: dict[str, Any]) -> dict[str, Any]:
+    """Options from ``--config`` where the command line left the default."""
+    path = options.pop("config_path")
+    if path is None:
+        return options
+    try:
+        doc = yaml.safe_load(Path(path).read_text())
+    except OSError as err:
+        raise SearchSetupError(f"cannot read config {path}: {err.strerror or err}") from None
+    except yaml.YAMLError as err:
+        raise SearchSetupError(f"config {path} is not valid YAML: {err}") from None
+    if doc is None:
+        return options
+    if not isinstance(doc, Mapping):
+        raise SearchSetupError(f"config {path} must be a mapping of option: value")
+    names = {p.name: p for p in ctx.command.params if p.name != "config_path"}
+    aliases = {"model": "model_name"}
+    for key, value in doc.items():
+        name = aliases.get(str(key).replace("-", "_"), str(key).replace("-", "_"))
+        if name not in names:
+            valid = sorted({("model" if n == "model_name" else n) for n in names})
+            raise SearchSetupError(
+                f"config {path}: unknown key {key!r}; valid keys: {', '.join(valid)}"
+            )
+        source = ctx.get_parameter_source(name)
+        if source is not None and source.name != "DEFAULT":
+            continue  # the command line wins
+        try:
+            options[name] = names[name].type_cast_value(ctx, value)
+        except click.BadParameter as err:
+            raise SearchSetupError(f"config {path}: {key}: {err.message}") from None
+    return options
+
+
+# --- the run -------------------------------------------------------------------------------
+class _SearchRun:
+    """One ``autoprec search`` invocation: setup, phases, interruption, export."""
+
+    def __init__(self, opts: dict[str, Any]) -> None:
+        self.o = opts
+        self.phases: dict[str, float] = {}
+        self.latest: Any = None  # the newest SearchResult seen by the progress callback
+        self.console = _console()
+
+    # -- phases --
+    def main(self) -> int:
+        start = time.perf_counter()
+        self._check_output()
+        with _terminate_as_interrupt():
+            try:
+                problem, agent_kwargs = self._setup()
+                result = self._search(problem, agent_kwargs)
+            except KeyboardInterrupt:
+                self.console.print("[yellow]interrupted: exporting what was found so far[/]")
+                if self.latest is not None:
+                    self._export(self.latest, None, interrupted=True)
+                else:
+                    self.console.print("no evaluation finished; nothing to export")
+                return 130
+        amp = self._amp_metrics(problem)
+        self._export(result, amp, interrupted=False)
+        self.phases["total"] = time.perf_counter() - start
+        self.console.print("phases: " + ", ".join(f"{k} {v:.0f} s" for k, v in self.phases.items()))
+        return 0
+
+    @contextlib.contextmanager
+    def _phase(self, name: str) -> Iterator[None]:
+        begin = time.perf_counter()
+        with self.console.status(f"[bold]{name}[/] ..."):
+            yield
+        self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - begin
+        self.console.print(f"{name}: {self.phases[name]:.1f} s")
+
+    def _check_output(self) -> None:
+        """Fail before any work if --out or --pareto-dir cannot be written."""
+        targets = [Path(self.o["out"]).resolve().parent]
+        if self.o["pareto_dir"]:
+            targets.append(Path(self.o["pareto_dir"]).resolve())
+        for folder in targets:
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+                with tempfile.NamedTemporaryFile(dir=folder, prefix=".autoprec-probe-"):
+                    pass
+            except OSError as err:
+                raise SearchSetupError(f"cannot write to {folder}: {err.strerror or err}") from None
+
+    def _setup(self) -> tuple[Any, dict[str, Any]]:
+        from autoprec.agents import Problem
+        from autoprec.data import load_dataset_for
+        from autoprec.evaluate import Evaluator
+        from autoprec.hardware import detect, get_device
+        from autoprec.models import load_model
+        from autoprec.precision import parse_precision
+
+        o = self.o
+        if o["budget"] < 1:
+            raise SearchSetupError(f"--budget must be at least 1, got {o['budget']}")
+        if o["target"] is None:
+            local = detect()
+            if local.name == "cpu":
+                o["target"] = FALLBACK_TARGET
+                self.console.print(
+                    f"no GPU here: optimising for {FALLBACK_TARGET} (choose with --target); "
+                    "precisions are emulated and costs predicted by the cost model"
+                )
+            else:
+                o["target"] = local.name
+        device = get_device(o["target"])
+        precisions = tuple(p.strip() for p in o["precisions"].split(",") if p.strip())
+        parsed = [parse_precision(p) for p in precisions]
+        lacking = [p.value for p in parsed if not device.supports(p)]
+        if lacking:
+            raise SearchSetupError(
+                f"{device.name} cannot run {', '.join(lacking)} (it supports "
+                f"{', '.join(device.supported_precisions)}); drop it from --precisions"
+            )
+        with self._phase("model and data"):
+            spec = load_model(o["model_name"], num_classes=o["num_classes"])
+            image_size = o["image_size"]
+            torchvision_sized = len(spec.input_shape) == 3 and spec.input_shape[-1] == 224
+            if image_size is None and torchvision_sized:
+                image_size = SMALL_IMAGE
+            cost_size = o["train_image_size"]
+            cost_spec = spec
+            if cost_size is not None and len(spec.input_shape) == 3:
+                cost_spec = load_model(
+                    o["model_name"], num_classes=o["num_classes"], image_size=cost_size
+                )
+            if image_size is not None:
+                spec = load_model(
+                    o["model_name"], num_classes=o["num_classes"], image_size=image_size
+                )
+            data_kwargs: dict[str, Any] = {"seed": o["seed"]}
+            if o["data_dir"]:
+                data_kwargs["root"] = o["data_dir"]
+            data = load_dataset_for(spec, o["dataset"], **data_kwargs)
+        evaluator = Evaluator(
+            spec,
+            data,
+            target=device,
+            fidelity=o["fidelity"],
+            steps=o["steps"],
+            seed=o["seed"],
+            cost_spec=cost_spec,
+            cost_batch_size=o["train_batch_size"],
+        )
+        self.console.print(
+            f"{spec.name}: fine-tuning at {tuple(spec.input_shape)} on {o['dataset']}; "
+            f"costs for {device.name} at batch {o['train_batch_size']}, input "
+            f"{tuple(cost_spec.input_shape)}"
+        )
+        with self._phase("warm start and fp32 reference"):
+            evaluator.reference()
+        with self._phase("sensitivity"):
+            evaluator.surrogate()
+        problem = Problem(
+            evaluator=evaluator,
+            fidelity=o["fidelity"],
+            accuracy_tolerance=o["accuracy_tolerance"],
+            reward_weights={
+                "speedup": o["w_speedup"],
+                "memory": o["w_memory"],
+                "accuracy": o["w_accuracy"],
+            },
+            precisions=precisions,
+        )
+        self.spec = spec
+        self.device = device
+        return problem, self._agent_kwargs()
+
+    def _study_name(self) -> str:
+        o = self.o
+        if o["study_name"]:
+            return o["study_name"]
+        return f"{o['model_name']}-{o['dataset']}-{o['target']}-{o['agent']}-seed{o['seed']}"
+
+    def _agent_kwargs(self) -> dict[str, Any]:
+        from autoprec.cache import cache_dir
+
+        o = self.o
+        name = self._study_name()
+        if o["agent"] in ("tpe", "nsga2"):
+            import optuna
+
+            optuna.logging.set_verbosity(optuna.logging.WARNING)  # the progress line says it
+            storage = o["storage"] or DEFAULT_STORAGE
+            if not o["resume"] and not o["study_name"]:
+                name = _fresh_study_name(storage, name)
+            self.console.print(f"optuna study {name!r} in {storage}")
+            return {"storage": storage, "study_name": name}
+        if o["agent"] == "ppo":
+            folder = cache_dir() / "agents" / _safe(name)
+            if not o["resume"] and folder.exists():
+                for item in folder.iterdir():  # a new search starts a new agent
+                    if item.is_file():
+                        item.unlink()
+            return {"checkpoint_dir": str(folder)}
+        return {}
+
+    def _search(self, problem: Any, agent_kwargs: dict[str, Any]) -> Any:
+        from autoprec.agents import search
+
+        begin = time.perf_counter()
+        progress = _Progress(self, self.o["budget"])
+        with progress:
+            result = search(
+                problem,
+                budget=self.o["budget"],
+                seed=self.o["seed"],
+                callbacks=[progress],
+                agent=self.o["agent"],
+                **agent_kwargs,
+            )
+        self.latest = result
+        self.phases["search"] = time.perf_counter() - begin
+        return result
+
+    def _amp_metrics(self, problem: Any) -> Any:
+        """Real metrics of the target's blanket AMP policy (cached if the agent tried it)."""
+        from autoprec.hardware.defaults import amp_policy
+
+        begin = time.perf_counter()
+        metrics = problem.evaluate(amp_policy(self.device))
+        self.phases["AMP comparison"] = time.perf_counter() - begin
+        return metrics
+
+    # -- export --
+    def _export(self, result: Any, amp: Any, *, interrupted: bool) -> None:
+        from autoprec.policy_io import save_policy
+
+        begin = time.perf_counter()
+        o = self.o
+        best = result.best
+        out = Path(o["out"])
+        trials_path = (
+            Path(o["pareto_dir"]) / "trials.csv"
+            if o["pareto_dir"]
+            else out.with_name(out.stem + ".trials.csv")
+        )
+        _write_csv(trials_path, result.summary_rows(real_only=False))
+        if best is None:
+            self.console.print("no real evaluation finished; no policy written")
+            return
+        problem_reward = best.reward
+        amp_reward = None if amp is None else self._reward(amp)
+        policy = result.best_policy(self.spec.module)
+        policy = policy.replace(
+            provenance={
+                **dict(policy.provenance),
+                "agent": o["agent"],
+                "dataset": o["dataset"],
+                "seed": str(o["seed"]),
+                "budget": str(o["budget"]),
+                "interrupted": str(interrupted).lower(),
+            }
+        )
+        save_policy(policy, out)
+        m = best.metrics
+        self.console.print(
+            f"best policy -> {out}: reward {problem_reward:.3f}, speedup {m.speedup:.2f}x, "
+            f"memory {m.memory_ratio:.2f}x, loss delta {m.loss_delta:+.4f} "
+            f"({len(result.real_trials)} real evaluations)"
+        )
+        if amp_reward is not None:
+            if problem_reward > amp_reward:
+                self.console.print(
+                    f"better than AMP ({amp.speedup:.2f}x, loss delta {amp.loss_delta:+.4f}, "
+                    f"reward {amp_reward:.3f}) under the reward"
+                )
+            else:
+                self.console.print(
+                    f"[yellow]no policy better than AMP was found[/] (AMP reward "
+                    f"{amp_reward:.3f} >= best {problem_reward:.3f}); the best found is written"
+                )
+        if o["pareto_dir"]:
+            folder = Path(o["pareto_dir"])
+            rows = []
+            for i, trial in enumerate(result.pareto):
+                path = folder / f"pareto_{i:03d}.yaml"
+                save_policy(result.policy_of(trial, self.spec.module), path)
+                rows.append({"file": path.name, **_trial_row(trial)})
+            _write_csv(folder / "pareto.csv", rows)
+            self.console.print(f"{len(rows)} Pareto policies -> {folder}")
+        self.phases["export"] = time.perf_counter() - begin
+
+    def _reward(self, metrics: Any) -> float:
+        from autoprec.envs import reward
+
+        o = self.o
+        weights = {"speedup": o["w_speedup"], "memory": o["w_memory"], "accuracy": o["w_accuracy"]}
+        return reward(metrics, weights, o["accuracy_tolerance"])
+
+
+def _trial_row(trial: Any) -> dict[str, Any]:
+    m = trial.metrics
+    return {
+        "number": trial.number,
+        "reward": round(trial.reward, 6),
+        "loss_delta": m.loss_delta,
+        "accuracy_delta": m.accuracy_delta,
+        "speedup": m.speedup,
+        "memory_ratio": m.memory_ratio,
+        "diverged": m.diverged,
+    }
+
+
+def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+    from autoprec.cache import write_atomic
+
+    fields: list[str] = []
+    for row in rows:
+        fields += [k for k in row if k not in fields]
+
+    def write(fh: Any) -> None:
+        writer = csv.DictWriter(fh, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+
+    write_atomic(path, write)
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+
+
+def _fresh_study_name(storage: str, name: str) -> str:
+    """``name`` if no study of that name has trials in ``storage``, else ``name-2``, ..."""
+    import optuna
+
+    try:
+        existing = {
+            s.study_name: s.n_trials for s in optuna.get_all_study_summaries(storage=storage)
+        }
+    except Exception:  # noqa: BLE001 - a new or unreadable storage: let the agent report it
+        return name
+    candidate, n = name, 1
+    while existing.get(candidate, 0) > 0:
+        n += 1
+        candidate = f"{name}-{n}"
+    return candidate
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM behaves like Ctrl-C (KeyboardInterrupt) while the search runs."""
+    if threading_main():
+        previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+    else:
+        yield
+
+
+def threading_main() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def _console() -> Any:
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+class _Progress:
+    """A rich progress line per search: evaluations of the budget, ETA, best so far."""
+
+    def __init__(self, run: _SearchRun, budget: int) -> None:
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+
+        self.run = run
+        self.budget = budget
+        self.progress = Progress(
+            TextColumn("[bold]search[/]"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[best]}"),
+            console=run.console,
+            transient=False,
+        )
+        self.task = self.progress.add_task("search", total=budget, best="")
+        self.surrogate = 0
+
+    def __enter__(self) -> _Progress:
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.progress.__exit__(*exc)
+
+    def on_trial(self, trial: Any, result: Any) -> None:
+        self.run.latest = result
+        if not trial.real:
+            self.surrogate += 1
+        best = result.best
+        text = f"surrogate episodes {self.surrogate}"
+        if best is not None:
+            m = best.metrics
+            delta = m.loss_delta if math.isfinite(m.loss_delta) else float("nan")
+            text = (
+                f"best reward {best.reward:.3f} (speedup {m.speedup:.2f}x, loss delta "
+                f"{delta:+.4f}) · {text}"
+            )
+        self.progress.update(self.task, completed=len(result.real_trials), best=text)
