@@ -37,6 +37,7 @@ PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "fp8")
 @dataclass
 class Args:
     models: list[str] = field(default_factory=lambda: ["tinycnn", "resnet18"])
+    timing_models: list[str] = field(default_factory=lambda: ["resnet50"])
     seeds: int = 3
     policies: int = 30
     target: str = "h100-sxm"
@@ -47,11 +48,20 @@ def parse() -> Args:
     a = Args()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", default=a.models)
+    p.add_argument(
+        "--timing-models", nargs="*", default=a.timing_models, help="wall times only (step 1)"
+    )
     p.add_argument("--seeds", type=int, default=a.seeds)
     p.add_argument("--policies", type=int, default=a.policies)
     p.add_argument("--write-docs", action="store_true")
     ns = p.parse_args()
-    return Args(models=ns.models, seeds=ns.seeds, policies=ns.policies, write_docs=ns.write_docs)
+    return Args(
+        models=ns.models,
+        timing_models=ns.timing_models,
+        seeds=ns.seeds,
+        policies=ns.policies,
+        write_docs=ns.write_docs,
+    )
 
 
 def timed(fn):
@@ -63,7 +73,7 @@ def timed(fn):
 def main() -> None:
     args = parse()
     cost_rows, noise_rows, rank_rows = [], [], []
-    for name in args.models:
+    for name in [*args.models, *args.timing_models]:
         size = None if name in ("tinycnn", "mlp") else 32
         spec = load_model(name, num_classes=10, image_size=size)
         data = load_dataset_for(spec, "digits", seed=0)
@@ -84,6 +94,8 @@ def main() -> None:
             f"| {t_full:.1f} | {t_sur_first:.1f} | {t_sur * 1e3:.1f} |"
         )
         print(cost_rows[-1], flush=True)
+        if name not in args.models:
+            continue
 
         deltas = {p: [e.evaluate(p).loss_delta for e in evaluators] for p in PRECISIONS}
         cells = []
@@ -103,10 +115,16 @@ def main() -> None:
         rank_rows.append(f"| {name} | {args.policies} | {rho:.2f} |")
         print(rank_rows[-1], flush=True)
 
-    header = provenance("python experiments/bench_evaluator.py --write-docs") + (
+    header = provenance(
+        "python experiments/bench_evaluator.py "
+        + " ".join(["--models", *args.models, "--timing-models", *args.timing_models])
+        + f" --seeds {args.seeds} --policies {args.policies} --write-docs"
+    ) + (
         f"Target {args.target}; digits (32x32 for torchvision models); a fresh cache per model; "
-        "defaults: 200 fp32 warm-start steps, `short` = 30 and `full` = 200 fine-tune steps at "
-        "batch 32, scored by the loss over the whole training split."
+        "defaults: 200 fp32 warm-start steps (SGD lr 0.05, momentum 0.9), `short` = 30 and "
+        "`full` = 200 fine-tune steps at batch 32 (SGD lr 0.01, no momentum), scored by the "
+        "loss over the whole training split with the policy applied. The surrogate's "
+        "sensitivity table is measured on the same warm start."
     )
     body = "\n".join(
         [

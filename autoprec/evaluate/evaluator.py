@@ -62,10 +62,18 @@ log = logging.getLogger(__name__)
 FIDELITIES = ("short", "full", "surrogate")
 SURROGATE_REFERENCE = "short"  # the real fidelity whose fp32 run anchors surrogate predictions
 SURROGATE_TAYLOR_ABOVE = 30  # more tunable layers than this: taylor sensitivities, else sweep
-SURROGATE_SWEEP_BATCHES = 2  # tinycnn: ~2 s on one CPU thread
+SURROGATE_SWEEP_BATCHES = 2
 SURROGATE_TAYLOR_BATCHES = 4
+SURROGATE_BATCH_SIZE = 32
 FULL_STEPS = 200
 SHORT_STEPS = 30
+# Fine-tuning under a policy: plain SGD at a fifth of the warm start's rate. With the warm
+# start's lr 0.05 and momentum 0.9 the 30-step loss is chaotic (resnet18 on digits: a tf32
+# policy moved it by 0.4% and fp8 by -3% to +309% from seed to seed); at 0.01 without momentum
+# tf32/fp16 stay within 0.03% of fp32 and bf16 is consistently +0.05%
+# (experiments/study_short_fidelity.py, docs/benchmarks.md).
+FINETUNE_LR = 0.01
+FINETUNE_MOMENTUM = 0.0
 DIVERGENCE_FACTOR = 10.0  # a final loss above this many times fp32's counts as diverged
 PENALTY_LOSS_DELTA = 10.0  # loss_delta of a diverged run (any other run has at most 9.0)
 SCORE_BATCH = 256
@@ -118,7 +126,7 @@ class Evaluator:
             ``"surrogate"`` (predicted, no training; see :meth:`evaluate`).
         steps: fine-tuning steps at ``"short"`` fidelity.
         batch_size: examples per fine-tuning (and warm-start) step.
-        lr: SGD learning rate (momentum 0.9) for warm start and fine-tuning.
+        lr: SGD learning rate (momentum 0.9) of the warm start.
         warm_start_steps: fp32 steps from the spec's weights before any policy is applied.
         seed: seeds the warm-start loader, the fixed batches and torch before each run.
         cache_dir: where ``warmstart/*.pt`` and ``evaluations.sqlite`` live; None means
@@ -127,8 +135,9 @@ class Evaluator:
             time and memory (same layer names; e.g. resnet50 at 224 px while ``spec`` is the
             same architecture at 32 px for the fine-tuning); None: ``spec``.
         cost_batch_size: the production batch size for the cost model; None: ``batch_size``.
-        finetune_lr: SGD learning rate while fine-tuning under a policy; None: ``lr``.
-        momentum: SGD momentum while fine-tuning under a policy.
+        finetune_lr: SGD learning rate while fine-tuning under a policy (default
+            :data:`FINETUNE_LR`); None: ``lr``.
+        momentum: SGD momentum while fine-tuning under a policy (:data:`FINETUNE_MOMENTUM`).
 
     Divergence (a non-finite loss while fine-tuning, an exception in training, or a final
     loss above 10x fp32's) never raises: the result has ``diverged=True``, ``accuracy=0``,
@@ -155,8 +164,8 @@ class Evaluator:
         steps: int | None = None,
         batch_size: int = 32,
         lr: float = 0.05,
-        finetune_lr: float | None = None,
-        momentum: float = 0.9,
+        finetune_lr: float | None = FINETUNE_LR,
+        momentum: float = FINETUNE_MOMENTUM,
         warm_start_steps: int = 200,
         seed: int = 0,
         cache_dir: str | Path | None = None,
@@ -253,11 +262,12 @@ class Evaluator:
     def surrogate(self) -> Surrogate:
         """The surrogate, built on first use and fitted on :attr:`surrogate_pairs`.
 
-        Its sensitivity table comes from :func:`autoprec.graph.grade.sensitivity` with this
-        evaluator's seed and lr, ``cache=True`` (on disk under ``$AUTOPREC_CACHE_DIR``):
-        ``method="sweep"`` on 2 batches of 8 for models with at most 30 tunable layers (exact
-        one-layer measurements; about 2 s for tinycnn on one thread), ``method="taylor"`` on
-        4 batches otherwise (one pass whatever the depth).
+        Its sensitivity table comes from :func:`autoprec.graph.grade.sensitivity`, measured on
+        this evaluator's fp32 warm start (the very weights every evaluation fine-tunes) with
+        its seed, ``cache=True`` (on disk under ``$AUTOPREC_CACHE_DIR``): ``method="sweep"`` on
+        2 batches of 32 for models with at most 30 tunable layers (exact one-layer
+        measurements), ``method="taylor"`` on 4 batches of 32 otherwise (one pass whatever the
+        depth).
         """
         if self._surrogate is None:
             from autoprec.graph.grade import sensitivity
@@ -269,10 +279,13 @@ class Evaluator:
                 self.spec,
                 self.data,
                 batches=SURROGATE_TAYLOR_BATCHES if taylor else SURROGATE_SWEEP_BATCHES,
+                batch_size=SURROGATE_BATCH_SIZE,
                 method="taylor" if taylor else "sweep",
-                lr=self.lr,
+                train_steps=0,
                 seed=self.seed,
                 cache=True,
+                initial_state=self._warm_start(),
+                initial_state_key=self._warm_key,
             )
             self._surrogate = Surrogate(table)
             if self.surrogate_pairs:

@@ -30,7 +30,7 @@ import itertools
 import json
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -280,6 +280,8 @@ def sensitivity(
     seed: int = 0,
     cache: bool = True,
     progress: Callable[[], None] | None = None,
+    initial_state: Mapping[str, torch.Tensor] | None = None,
+    initial_state_key: str | None = None,
 ) -> SensitivityTable:
     """Grade every tunable layer's need for precision.
 
@@ -293,6 +295,11 @@ def sensitivity(
         train_steps: fp32 SGD steps before measuring, so gradients look like training's.
         cache: reuse/store the result under ``$AUTOPREC_CACHE_DIR`` (default ~/.cache/autoprec).
         progress: called once per (layer, precision) measured.
+        initial_state: weights to load into the copy before the ``train_steps`` (e.g. the
+            evaluator's fp32 warm start, with ``train_steps=0``, so that the sensitivities
+            describe the very model the evaluations fine-tune).
+        initial_state_key: a name for ``initial_state`` in the cache key (required with it
+            when ``cache`` is on: the fingerprint covers the architecture, not the weights).
     """
     if method not in METHODS:
         raise ValueError(
@@ -309,6 +316,10 @@ def sensitivity(
         "lr": lr,
         "seed": seed,
     }
+    if initial_state is not None:
+        if cache and not initial_state_key:
+            raise ValueError("initial_state needs an initial_state_key when cache=True")
+        settings["initial_state"] = initial_state_key
     key = hashlib.sha256(
         json.dumps([fingerprint, data.key, settings], sort_keys=True).encode()
     ).hexdigest()[:24]
@@ -319,6 +330,8 @@ def sensitivity(
     start = time.perf_counter()
     torch.manual_seed(seed)
     model = copy.deepcopy(spec.module)
+    if initial_state is not None:
+        model.load_state_dict(initial_state)
     _warm_start(model, spec, data, train_steps, lr, batch_size, seed)
     _measurement_mode(model)
     fixed = data.fixed_batches(batches, batch_size, split="train", seed=seed)
