@@ -146,3 +146,39 @@ def test_sigterm_exports_then_resume_finishes_the_budget(tmp_path):
     keys = [tuple(sorted(t.params.items())) for t in complete]
     assert len(set(keys)) == len(keys)  # no policy evaluated twice
     assert Path(out).exists()
+
+
+def test_two_workers_share_one_study(tmp_path):
+    storage = f"sqlite:///{tmp_path / 'shared.db'}"
+    cmd = [
+        sys.executable,
+        "-c",
+        "import sys; from autoprec.cli import main; sys.exit(main())",
+        "search",
+        *FAST,
+        "--agent",
+        "tpe",
+        "--budget",
+        "6",
+        "--storage",
+        storage,
+        "--study-name",
+        "shared",
+    ]
+    workers = [
+        subprocess.Popen(
+            [*cmd, "--out", str(tmp_path / f"w{i}.yaml")],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    for w in workers:
+        _, err = w.communicate(timeout=300)
+        assert w.returncode == 0, err
+    study = optuna.load_study(study_name="shared", storage=storage)
+    complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert len(complete) == 6  # none lost, none beyond the budget
+    keys = [tuple(sorted(t.params.items())) for t in complete]
+    assert len(set(keys)) == len(keys)  # none duplicated
+    assert (tmp_path / "w0.yaml").exists() and (tmp_path / "w1.yaml").exists()
