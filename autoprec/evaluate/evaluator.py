@@ -101,6 +101,16 @@ def _sha(obj: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
+def _weights_digest(module: nn.Module) -> str:
+    """SHA-256 (hex, 32 characters) of every tensor of the module's state, in order."""
+    digest = hashlib.sha256()
+    for name, tensor in module.state_dict().items():
+        t = tensor.detach().cpu().contiguous().reshape(-1)
+        digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return digest.hexdigest()[:32]
+
+
 def _cost_fields(
     step_time: float, memory: int, fp32: tuple[float, int], amp: tuple[float, int]
 ) -> dict[str, Any]:
@@ -194,7 +204,10 @@ class Evaluator:
         self.mode = "native" if self.measured else "emulate"
         self.fingerprint = model_fingerprint(spec.module)
         warm = {"steps": warm_start_steps, "lr": lr, "batch_size": batch_size}
-        self._warm_key = _sha([self.fingerprint, data.key, seed, warm])
+        # the initial weights too: two specs of one architecture built with different
+        # random weights must not share a warm start
+        initial = _weights_digest(spec.module)
+        self._warm_key = _sha([self.fingerprint, initial, data.key, seed, warm])
         settings = {
             **warm,
             "finetune": [self.finetune_lr, momentum],

@@ -14,6 +14,8 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
+import torch
+
 from autoprec.models.builtin import BUILTIN_MODELS
 from autoprec.models.hf import HF_MODELS, build_hf, hf_available
 from autoprec.models.spec import FAMILIES, ModelError, ModelSpec, Task, UnknownModelError
@@ -47,6 +49,7 @@ def load_model(
     *,
     in_channels: int | None = None,
     seq_len: int | None = None,
+    seed: int | None = 0,
 ) -> ModelSpec:
     """Build a model by name, with random weights (nothing is downloaded).
 
@@ -60,6 +63,9 @@ def load_model(
             default (224 for torchvision, 8 for the built-in image models).
         in_channels: image channels, for the built-in image models and user factories.
         seq_len: sequence length, for token models (default 16 built-in, 128 Hugging Face).
+        seed: the random initial weights are drawn from ``torch.manual_seed(seed)`` (the
+            global RNG is left as it was), so the same call builds the same weights in every
+            process; None draws from the global RNG as plain construction would.
 
     Returns:
         The model with its input shape and dtype, task, loss and example batches.
@@ -75,7 +81,20 @@ def load_model(
             raise ModelError(f"{arg} must be a positive int or None, got {value!r}")
     if seq_len is not None and (not isinstance(seq_len, int) or seq_len < 1):
         raise ModelError(f"seq_len must be a positive int or None, got {seq_len!r}")
-    name = name.strip()
+    if seed is None:
+        return _build(name.strip(), num_classes, image_size, in_channels, seq_len)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return _build(name.strip(), num_classes, image_size, in_channels, seq_len)
+
+
+def _build(
+    name: str,
+    num_classes: int,
+    image_size: int | None,
+    in_channels: int | None,
+    seq_len: int | None,
+) -> ModelSpec:
     if is_user_path(name):
         return build_user(name, num_classes, image_size, in_channels, seq_len)
     key = name.lower()

@@ -134,3 +134,12 @@ def test_cost_comes_from_the_production_shape_not_the_fine_tuning_one(spec, data
     assert b.step_time_s > 2 * s.step_time_s and b.memory_bytes > 10 * s.memory_bytes
     with pytest.raises(ValueError, match="cost_batch_size"):
         Evaluator(spec, data, "h100-sxm", cost_batch_size=0)
+
+
+def test_other_initial_weights_get_their_own_warm_start(spec, data):
+    from autoprec.models import load_model
+
+    a = Evaluator(spec, data, TARGET, **SMALL)
+    same = Evaluator(copy.deepcopy(spec), data, TARGET, **SMALL)
+    other = Evaluator(load_model("tinycnn", num_classes=10, seed=7), data, TARGET, **SMALL)
+    assert a.warm_start_path == same.warm_start_path != other.warm_start_path

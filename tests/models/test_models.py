@@ -338,3 +338,15 @@ def test_models_command_table(capsys):
     out = capsys.readouterr().out
     assert "tinytransformer" in out and "resnet50" not in out
     assert main(["models", "--family", "keras"]) == 2
+
+
+def test_same_seed_same_weights_and_the_global_rng_untouched():
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    a = load_model("tinycnn")
+    assert torch.equal(torch.rand(3), expected)  # construction did not consume the global RNG
+    b, c = load_model("tinycnn"), load_model("tinycnn", seed=1)
+    sa, sb, sc = (m.module.state_dict() for m in (a, b, c))
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert not all(torch.equal(sa[k], sc[k]) for k in sa)
