@@ -5,6 +5,10 @@ sensitivities (cached), the agent's search, export. Interrupted searches (Ctrl-C
 export what they have and exit 130; running the same command again (or with ``--resume``)
 continues without repeating finished evaluations: every evaluation is kept in the evaluator's
 SQLite cache, Optuna trials in ``--storage`` and the PPO agent in a checkpoint.
+
+Each search is logged to MLflow (:mod:`autoprec.tracking`: a parent run, a nested run per
+evaluation, the best policy and plots as artifacts) unless ``--no-mlflow``; a tracking server
+that cannot be reached turns tracking off with one line, never the search.
 """
 
 from __future__ import annotations
@@ -124,6 +128,17 @@ class SearchSetupError(ValueError):
 @click.option(
     "--resume", is_flag=True, help="Continue the last search of this name (see --study-name)."
 )
+@click.option(
+    "--no-mlflow", is_flag=True, help="Do not log the search to MLflow (it is logged by default)."
+)
+@click.option(
+    "--tracking-uri",
+    default=None,
+    help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here).",
+)
+@click.option(
+    "--experiment", default=None, help="MLflow experiment name (default: autoprec/<model>)."
+)
 @click.pass_context
 def search(ctx: click.Context, **options: Any) -> None:
     """Search per-layer precisions for training MODEL on TARGET, and export the best policy."""
@@ -177,9 +192,19 @@ class _SearchRun:
         self.phases: dict[str, float] = {}
         self.latest: Any = None  # the newest SearchResult seen by the progress callback
         self.console = _console()
+        self.tracker: Any = None  # the SearchTracker once the search starts
+        self.problem: Any = None
 
     # -- phases --
     def main(self) -> int:
+        try:
+            return self._main()
+        except BaseException as err:
+            if self.tracker is not None:  # still open only when something went wrong
+                self.tracker.close("KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED")
+            raise
+
+    def _main(self) -> int:
         start = time.perf_counter()
         self._check_output()
         with _terminate_as_interrupt():
@@ -189,12 +214,16 @@ class _SearchRun:
             except KeyboardInterrupt:
                 self.console.print("[yellow]interrupted: exporting what was found so far[/]")
                 if self.latest is not None:
-                    self._export(self.latest, None, interrupted=True)
+                    written = self._export(self.latest, None, interrupted=True)
+                    self._finish_tracking(self.latest, written, None, status="KILLED")
                 else:
                     self.console.print("no evaluation finished; nothing to export")
+                    if self.tracker is not None:
+                        self.tracker.close("KILLED")
                 return 130
         amp = self._amp_metrics(problem)
-        self._export(result, amp, interrupted=False)
+        written = self._export(result, amp, interrupted=False)
+        self._finish_tracking(result, written, amp, status="FINISHED")
         self.phases["total"] = time.perf_counter() - start
         self.console.print("phases: " + ", ".join(f"{k} {v:.0f} s" for k, v in self.phases.items()))
         return 0
@@ -302,6 +331,7 @@ class _SearchRun:
         )
         self.spec = spec
         self.device = device
+        self.problem = problem
         return problem, self._agent_kwargs()
 
     def _study_name(self) -> str:
@@ -336,6 +366,10 @@ class _SearchRun:
     def _search(self, problem: Any, agent_kwargs: dict[str, Any]) -> Any:
         from autoprec.agents import search
 
+        callbacks: list[Any] = []
+        if not self.o["no_mlflow"]:
+            self._start_tracking()
+            callbacks.append(self.tracker)
         begin = time.perf_counter()
         progress = _Progress(self, self.o["budget"])
         with progress:
@@ -343,13 +377,68 @@ class _SearchRun:
                 problem,
                 budget=self.o["budget"],
                 seed=self.o["seed"],
-                callbacks=[progress],
+                callbacks=[progress, *callbacks],
                 agent=self.o["agent"],
                 **agent_kwargs,
             )
         self.latest = result
         self.phases["search"] = time.perf_counter() - begin
         return result
+
+    def _start_tracking(self) -> None:
+        """Open the MLflow parent run (a failure turns tracking off with one line)."""
+        from autoprec.tracking import SearchTracker
+
+        begin = time.perf_counter()
+        o = self.o
+        self.tracker = SearchTracker(
+            o["model_name"],
+            dataset=o["dataset"],
+            target=o["target"],
+            agent=o["agent"],
+            budget=o["budget"],
+            seed=o["seed"],
+            fidelity=o["fidelity"],
+            reward_weights={
+                "speedup": o["w_speedup"],
+                "memory": o["w_memory"],
+                "accuracy": o["w_accuracy"],
+            },
+            accuracy_tolerance=o["accuracy_tolerance"],
+            tracking_uri=o["tracking_uri"],
+            experiment=o["experiment"],
+            params={
+                "steps": o["steps"],
+                "precisions": o["precisions"],
+                "train_batch_size": o["train_batch_size"],
+                "train_image_size": o["train_image_size"],
+                "image_size": o["image_size"],
+                "num_classes": o["num_classes"],
+                "study_name": self._study_name(),
+                "resume": o["resume"],
+            },
+        )
+        if self.tracker.start():
+            self.console.print(
+                f"mlflow: run {self.tracker.run_id} in experiment "
+                f"{self.tracker.experiment!r} at {self.tracker.tracking_uri}"
+            )
+        self.phases["tracking"] = time.perf_counter() - begin
+
+    def _finish_tracking(
+        self, result: Any, policy_path: Path | None, amp: Any, status: str
+    ) -> None:
+        """Final metrics and artifacts on the parent run; it ends with ``status``."""
+        if self.tracker is None:
+            return
+        begin = time.perf_counter()
+        fp32 = None
+        if self.problem is not None and status == "FINISHED":
+            fp32 = self.problem.evaluator.reference()  # cached since the warm start
+        self.tracker.finish(
+            result, best_policy_path=policy_path, amp_metrics=amp, fp32_metrics=fp32, status=status
+        )
+        self.phases["tracking"] = self.phases.get("tracking", 0.0) + time.perf_counter() - begin
 
     def _amp_metrics(self, problem: Any) -> Any:
         """Real metrics of the target's blanket AMP policy (cached if the agent tried it)."""
@@ -361,7 +450,9 @@ class _SearchRun:
         return metrics
 
     # -- export --
-    def _export(self, result: Any, amp: Any, *, interrupted: bool) -> None:
+    def _export(self, result: Any, amp: Any, *, interrupted: bool) -> Path | None:
+        """Write the trials, the best policy and the Pareto files; returns the best policy's
+        path (None when no real evaluation finished)."""
         from autoprec.policy_io import save_policy
 
         begin = time.perf_counter()
@@ -376,7 +467,7 @@ class _SearchRun:
         _write_csv(trials_path, result.summary_rows(real_only=False))
         if best is None:
             self.console.print("no real evaluation finished; no policy written")
-            return
+            return None
         problem_reward = best.reward
         amp_reward = None if amp is None else self._reward(amp)
         policy = result.best_policy(self.spec.module)
@@ -388,6 +479,7 @@ class _SearchRun:
                 "seed": str(o["seed"]),
                 "budget": str(o["budget"]),
                 "interrupted": str(interrupted).lower(),
+                **self._run_provenance(),
             }
         )
         save_policy(policy, out)
@@ -418,6 +510,13 @@ class _SearchRun:
             _write_csv(folder / "pareto.csv", rows)
             self.console.print(f"{len(rows)} Pareto policies -> {folder}")
         self.phases["export"] = time.perf_counter() - begin
+        return out
+
+    def _run_provenance(self) -> dict[str, str]:
+        tracker = self.tracker
+        if tracker is None or not tracker.active or tracker.run_id is None:
+            return {}
+        return {"mlflow_run_id": tracker.run_id}
 
     def _reward(self, metrics: Any) -> float:
         from autoprec.envs import reward
