@@ -15,6 +15,7 @@ from autoprec.cli.formats import formats
 from autoprec.cli.hardware import hardware
 from autoprec.cli.models import models
 from autoprec.cli.search import search
+from autoprec.cli.train import train
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -28,6 +29,7 @@ cli.add_command(formats)
 cli.add_command(hardware)
 cli.add_command(models)
 cli.add_command(search)
+cli.add_command(train)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,587 @@
+"""Production training under a precision policy: ``train(spec, data, policy)``.
+
+The policy is checked against the model first (a policy made for another model is refused), then
+applied with :func:`~autoprec.runtime.apply_policy` and its loss scaling
+(:class:`~autoprec.runtime.LossScaler`). Plain SGD with momentum, gradient accumulation,
+validation at every epoch end, atomic checkpoints that a later run resumes from, and DDP when
+launched by ``torchrun``.
+
+Data order depends only on ``seed`` and the epoch (a seeded ``DistributedSampler`` per epoch,
+also for one process), so a run resumed from a checkpoint ends with the same weights as one that
+was never interrupted. One optimizer step uses ``batch_size * grad_accum`` examples per process;
+an epoch is the whole number of such steps the process's shard of the train split holds (the
+remainder is left out that epoch, and falls elsewhere in the next one).
+
+Example:
+    >>> from autoprec.data import load_dataset_for
+    >>> from autoprec.models import load_model
+    >>> spec = load_model("tinycnn")
+    >>> data = load_dataset_for(spec, "digits")
+    >>> result = train(spec, data, PrecisionPolicy(default="bf16"), steps=20)  # doctest: +SKIP
+    >>> result.val_accuracy  # doctest: +SKIP
+    0.71
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.utils.data import Dataset, DistributedSampler, TensorDataset, default_collate
+
+from autoprec.cache import write_atomic
+from autoprec.layers import model_fingerprint
+from autoprec.policy import PrecisionPolicy
+from autoprec.runtime import MODES, LossScaler, apply_policy
+
+__all__ = [
+    "CHECKPOINT_NAME",
+    "CheckpointError",
+    "PolicyMismatchError",
+    "TrainConfigError",
+    "TrainDivergedError",
+    "TrainResult",
+    "dist_env",
+    "train",
+]
+
+CHECKPOINT_NAME = "last.pt"
+CHECKPOINT_VERSION = 1
+VAL_BATCH = 256
+# Settings a resumed run must share with the run that wrote the checkpoint.
+_RESUME_KEYS = ("batch_size", "grad_accum", "world_size", "seed", "lr", "momentum")
+
+LogFn = Callable[[int, dict[str, float]], None]
+
+
+class PolicyMismatchError(ValueError):
+    """The policy does not fit the model (or the device): it was made for something else."""
+
+
+class TrainConfigError(ValueError):
+    """Training settings that cannot work (both steps and epochs, a batch larger than the data)."""
+
+
+class TrainDivergedError(ValueError):
+    """The loss became inf/NaN with no loss scaler to skip the step."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed by this run; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What :func:`train` did.
+
+    Attributes:
+        steps: optimizer steps done in total (including those before a resume).
+        epochs: completed epochs.
+        steps_per_epoch: optimizer steps in one epoch.
+        train_loss: mean training loss of every optimizer step (over its micro-batches and
+            all processes), from the first step on, resumed runs included.
+        val_loss: validation loss after the last step.
+        val_accuracy: validation accuracy after the last step.
+        val_history: ``{"step", "epoch", "val_loss", "val_accuracy"}`` of every validation
+            this process ran (epoch ends and the end).
+        overflows: values that overflowed the layers' formats (summed over processes; the
+            count of the run that wrote a resumed checkpoint included).
+        skipped_steps: optimizer steps the loss scaler skipped (inf/NaN gradients).
+        wall_time_s: seconds this call took.
+        checkpoint: the checkpoint file, or None without ``checkpoint_dir``.
+        resumed_from: the step the run resumed from, or None for a fresh start.
+        world_size: number of processes (1 without DDP).
+        rank: this process's rank.
+        mode: the runtime mode used (``"emulate"`` or ``"native"``).
+    """
+
+    steps: int
+    epochs: int
+    steps_per_epoch: int
+    train_loss: list[float]
+    val_loss: float
+    val_accuracy: float
+    val_history: list[dict[str, float]] = field(default_factory=list)
+    overflows: int = 0
+    skipped_steps: int = 0
+    wall_time_s: float = 0.0
+    checkpoint: Path | None = None
+    resumed_from: int | None = None
+    world_size: int = 1
+    rank: int = 0
+    mode: str = "emulate"
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict of every field."""
+        out = asdict(self)
+        out["checkpoint"] = None if self.checkpoint is None else str(self.checkpoint)
+        return out
+
+
+def dist_env() -> tuple[int, int, int]:
+    """``(rank, world_size, local_rank)`` as ``torchrun`` sets them; ``(0, 1, 0)`` otherwise."""
+    if dist.is_available() and dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+    else:
+        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    return rank, world, int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def train(
+    spec: Any,
+    data: Any,
+    policy: PrecisionPolicy,
+    *,
+    steps: int | None = None,
+    epochs: int | None = None,
+    batch_size: int = 32,
+    lr: float = 0.05,
+    momentum: float = 0.9,
+    grad_accum: int = 1,
+    checkpoint_dir: str | os.PathLike[str] | None = None,
+    checkpoint_every: int | None = None,
+    device: str | torch.device | None = None,
+    mode: str = "auto",
+    seed: int = 0,
+    log: LogFn | None = None,
+) -> TrainResult:
+    """Train ``spec.module`` on ``data`` with ``policy`` applied; the module is trained in place.
+
+    Args:
+        spec: a :class:`~autoprec.models.ModelSpec` (``module``, ``loss(out, y)``,
+            ``logits(out)``, ``name``).
+        data: a :class:`~autoprec.data.DataBundle`; its train split is sharded over processes.
+        policy: the precision policy; checked against the model before anything else.
+        steps: optimizer steps to train for in total. Give ``steps`` or ``epochs``, not both.
+        epochs: epochs to train for (default 1 when neither is given).
+        batch_size: examples per micro-batch and process.
+        lr: SGD learning rate.
+        momentum: SGD momentum.
+        grad_accum: micro-batches whose gradients make one optimizer step.
+        checkpoint_dir: where ``last.pt`` is written (atomically) at every epoch end and at the
+            end; when it already holds one, training resumes from it and continues to the same
+            total. With DDP it must be a folder rank 0 can read; only rank 0 writes.
+        checkpoint_every: also write a checkpoint every this many optimizer steps.
+        device: where to train (default: the local CUDA device, else the CPU); under DDP on
+            CUDA the process's ``LOCAL_RANK`` picks the GPU.
+        mode: runtime mode, ``"auto"`` (native on CUDA, emulated elsewhere), ``"emulate"`` or
+            ``"native"``. Native runs are checked against the local device's precisions.
+        seed: seeds the data order (with the epoch) and the torch RNG of each process.
+        log: called on rank 0 as ``log(step, metrics)`` after every optimizer step
+            (``train_loss``, ``loss_scale``, ``epoch``) and after every validation
+            (``val_loss``, ``val_accuracy``, ``epoch``).
+
+    Returns:
+        A :class:`TrainResult`; the policy is removed from ``spec.module`` again.
+
+    Raises:
+        PolicyMismatchError: the policy names layers the model lacks, was made for another
+            architecture, or holds precisions the device cannot run natively.
+        TrainConfigError: inconsistent settings.
+        CheckpointError: ``checkpoint_dir`` holds a checkpoint of another run.
+        TrainDivergedError: the loss became inf/NaN and no loss scaler skipped the step.
+    """
+    start = time.perf_counter()
+    _check_settings(steps, epochs, batch_size, lr, momentum, grad_accum, checkpoint_every)
+    rank, world, local_rank = dist_env()
+    dev = _pick_device(device, local_rank if world > 1 else None)
+    run_mode = _pick_mode(mode, dev)
+    _check_policy(spec, policy, dev, run_mode)  # before any process group or data work
+
+    own_group = False
+    if world > 1 and not dist.is_initialized():
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+        own_group = True
+    module: nn.Module = spec.module
+    handle = None
+    try:
+        dataset = data.split("train")
+        sampler = DistributedSampler(
+            dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=False
+        )
+        steps_per_epoch = (len(sampler) // batch_size) // grad_accum
+        if steps_per_epoch < 1:
+            raise TrainConfigError(
+                f"one optimizer step needs batch_size x grad_accum = {batch_size * grad_accum} "
+                f"examples per process, but each of the {world} process(es) holds {len(sampler)} "
+                "of the train split; lower --batch-size or --grad-accum"
+            )
+        total = steps if steps is not None else (epochs or 1) * steps_per_epoch
+        config = {
+            "batch_size": batch_size,
+            "grad_accum": grad_accum,
+            "world_size": world,
+            "seed": seed,
+            "lr": float(lr),
+            "momentum": float(momentum),
+            "policy": policy.digest(),
+            "fingerprint": model_fingerprint(module),
+        }
+
+        torch.manual_seed(seed + rank)
+        module.to(dev)
+        optimizer = torch.optim.SGD(module.parameters(), lr=lr, momentum=momentum)
+        scaler = LossScaler.from_config(policy.loss_scaling, device=dev)
+        path = Path(checkpoint_dir) / CHECKPOINT_NAME if checkpoint_dir is not None else None
+        ckpt = _load_checkpoint(path, config, rank, world)
+        step, history, prior_overflows, resumed_from = 0, [], 0, None
+        if ckpt is not None:
+            module.load_state_dict(ckpt["model"])
+            optimizer.load_state_dict(ckpt["optimizer"])
+            if ckpt["scaler"]:
+                scaler.load_state_dict(ckpt["scaler"])
+            step = resumed_from = int(ckpt["step"])
+            history = [float(v) for v in ckpt["train_loss"]]
+            prior_overflows = int(ckpt["overflows"])
+            _set_rng(ckpt["rng"][rank], dev)
+
+        model: nn.Module = module
+        if world > 1:
+            ids = [dev.index] if dev.type == "cuda" else None
+            model = nn.parallel.DistributedDataParallel(module, device_ids=ids)
+        handle = apply_policy(module, policy, mode=run_mode)
+        loop = _Loop(spec, data, module, model, optimizer, scaler, dev, rank, world, log)
+        val_history: list[dict[str, float]] = []
+        val = None
+
+        while step < total:
+            epoch = step // steps_per_epoch
+            sampler.set_epoch(epoch)
+            order = list(sampler)
+            first = (step % steps_per_epoch) * grad_accum
+            micro = [
+                order[i * batch_size : (i + 1) * batch_size]
+                for i in range(first, steps_per_epoch * grad_accum)
+            ]
+            for group_start in range(0, len(micro), grad_accum):
+                loss = loop.step(dataset, micro[group_start : group_start + grad_accum])
+                step += 1
+                history.append(loss)
+                if not math.isfinite(loss) and not scaler.is_enabled():
+                    raise TrainDivergedError(
+                        f"training diverged at step {step} (loss {loss}) without loss scaling; "
+                        "lower the learning rate, or give the policy a loss_scaling section so "
+                        "that steps with inf/NaN gradients are skipped"
+                        + (f"; {path} holds the last checkpoint" if path is not None else "")
+                    )
+                loop.emit(
+                    step,
+                    {
+                        "train_loss": loss,
+                        "loss_scale": scaler.get_scale(),
+                        "epoch": step / steps_per_epoch,
+                    },
+                )
+                epoch_end = step % steps_per_epoch == 0
+                if epoch_end or step == total:
+                    val = loop.validate()
+                    record = {"step": step, "epoch": step / steps_per_epoch, **val}
+                    val_history.append(record)
+                    loop.emit(step, {k: v for k, v in record.items() if k != "step"})
+                due = checkpoint_every is not None and step % checkpoint_every == 0
+                if path is not None and (epoch_end or step == total or due):
+                    overflows = prior_overflows + _sum_over_ranks(handle.totals()["overflows"], dev)
+                    _save_checkpoint(
+                        path, module, optimizer, scaler, step, config, history, overflows, dev
+                    )
+                if step == total:
+                    break
+
+        if val is None:  # resumed at (or past) the end: nothing trained, validate once
+            val = loop.validate()
+        overflows = prior_overflows + _sum_over_ranks(handle.totals()["overflows"], dev)
+        if own_group:
+            dist.barrier()  # no rank tears the group down while another still talks to it
+        return TrainResult(
+            steps=step,
+            epochs=step // steps_per_epoch,
+            steps_per_epoch=steps_per_epoch,
+            train_loss=history,
+            val_loss=val["val_loss"],
+            val_accuracy=val["val_accuracy"],
+            val_history=val_history,
+            overflows=overflows,
+            skipped_steps=scaler.skipped_steps,
+            wall_time_s=time.perf_counter() - start,
+            checkpoint=path if path is not None and path.exists() else None,
+            resumed_from=resumed_from,
+            world_size=world,
+            rank=rank,
+            mode=run_mode,
+        )
+    finally:
+        if handle is not None:
+            handle.remove()
+        if own_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# --- the loop ---------------------------------------------------------------------------------
+class _Loop:
+    """One optimizer step, validation and rank-0 logging, over a (possibly DDP) model."""
+
+    def __init__(
+        self,
+        spec: Any,
+        data: Any,
+        module: nn.Module,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scaler: LossScaler,
+        dev: torch.device,
+        rank: int,
+        world: int,
+        log: LogFn | None,
+    ) -> None:
+        self.spec, self.data = spec, data
+        self.module, self.model = module, model
+        self.optimizer, self.scaler = optimizer, scaler
+        self.dev, self.rank, self.world, self.log = dev, rank, world, log
+
+    def step(self, dataset: Dataset, micro: list[list[int]]) -> float:
+        """Accumulate gradients over ``micro`` (index lists), then one scaled optimizer step."""
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        total = torch.zeros((), device=self.dev)
+        for i, idx in enumerate(micro):
+            x, y = _batch(dataset, idx)
+            x, y = x.to(self.dev, non_blocking=True), y.to(self.dev, non_blocking=True)
+            last = i == len(micro) - 1
+            sync = contextlib.nullcontext()
+            if self.world > 1 and not last:
+                sync = self.model.no_sync()  # all-reduce once, on the last micro-batch
+            with sync:
+                loss = self.spec.loss(self.model(x), y)
+                self.scaler.scale(loss / len(micro)).backward()
+            total += loss.detach()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        mean = total / len(micro)
+        if self.world > 1:
+            dist.all_reduce(mean)
+            mean /= self.world
+        return float(mean)
+
+    @torch.no_grad()
+    def validate(self) -> dict[str, float]:
+        """Loss and accuracy over the val split, each process scoring every world-th example."""
+        if self.world > 1:  # BatchNorm statistics of rank 0, as in the checkpoint
+            for buf in self.module.buffers():
+                dist.broadcast(buf, 0)
+        self.module.eval()
+        val = self.data.split("val")
+        idx = list(range(self.rank, len(val), self.world))
+        sums = torch.zeros(4, dtype=torch.float64, device=self.dev)
+        for i in range(0, len(idx), VAL_BATCH):
+            x, y = _batch(val, idx[i : i + VAL_BATCH])
+            x, y = x.to(self.dev), y.to(self.dev)
+            out = self.module(x)
+            pred = self.spec.logits(out).argmax(-1)
+            sums += torch.tensor(
+                [
+                    float(self.spec.loss(out, y)) * len(x),
+                    len(x),
+                    float((pred == y).sum()),
+                    y.numel(),
+                ],
+                dtype=torch.float64,
+                device=self.dev,
+            )
+        if self.world > 1:
+            dist.all_reduce(sums)
+        self.module.train()
+        loss_sum, count, correct, labels = sums.tolist()
+        return {"val_loss": loss_sum / max(count, 1), "val_accuracy": correct / max(labels, 1)}
+
+    def emit(self, step: int, metrics: dict[str, float]) -> None:
+        if self.log is not None and self.rank == 0:
+            self.log(step, metrics)
+
+
+def _batch(dataset: Dataset, idx: list[int]) -> tuple[Tensor, Tensor]:
+    if isinstance(dataset, TensorDataset):
+        x, y = dataset.tensors
+        index = torch.tensor(idx, dtype=torch.long)
+        return x[index], y[index]
+    x, y = default_collate([dataset[i] for i in idx])
+    return x, y
+
+
+def _sum_over_ranks(value: int, dev: torch.device) -> int:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=dev)
+    dist.all_reduce(t)
+    return int(t.item())
+
+
+# --- checks -----------------------------------------------------------------------------------
+def _check_settings(
+    steps: int | None,
+    epochs: int | None,
+    batch_size: int,
+    lr: float,
+    momentum: float,
+    grad_accum: int,
+    checkpoint_every: int | None,
+) -> None:
+    if steps is not None and epochs is not None:
+        raise TrainConfigError(
+            f"give steps or epochs, not both (got steps={steps}, epochs={epochs})"
+        )
+    for name, value in (
+        ("steps", steps),
+        ("epochs", epochs),
+        ("batch_size", batch_size),
+        ("grad_accum", grad_accum),
+        ("checkpoint_every", checkpoint_every),
+    ):
+        if value is None and name in ("steps", "epochs", "checkpoint_every"):
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise TrainConfigError(f"{name} must be an integer >= 1, got {value!r}")
+    if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+        raise TrainConfigError(f"lr must be a finite number > 0, got {lr!r}")
+    if not (isinstance(momentum, (int, float)) and 0 <= momentum < 1):
+        raise TrainConfigError(f"momentum must be in [0, 1), got {momentum!r}")
+
+
+def _pick_device(device: str | torch.device | None, local_rank: int | None) -> torch.device:
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(device)
+    except RuntimeError as err:
+        raise TrainConfigError(f"invalid device {device!r}: {err}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise TrainConfigError("device cuda was asked for, but CUDA is not available")
+        if dev.index is None:
+            dev = torch.device("cuda", local_rank if local_rank is not None else 0)
+    return dev
+
+
+def _pick_mode(mode: str, dev: torch.device) -> str:
+    if mode not in MODES:
+        raise TrainConfigError(f"unknown runtime mode {mode!r}; expected one of {', '.join(MODES)}")
+    if mode == "auto":
+        return "native" if dev.type == "cuda" else "emulate"
+    return mode
+
+
+def _check_policy(spec: Any, policy: PrecisionPolicy, dev: torch.device, mode: str) -> None:
+    """Raise :class:`PolicyMismatchError` unless ``policy`` fits the model (and device)."""
+    target = None
+    if mode == "native":  # emulation runs every precision anywhere
+        from autoprec.hardware import detect, get_device
+
+        target = detect() if dev.type == "cuda" else get_device("cpu")
+    report = policy.validate(spec.module, target)
+    if report.ok:
+        return
+    made_for = policy.model.name if policy.model is not None else None
+    origin = f"it was made for model {made_for!r}" if made_for else "it names no model"
+    where = f" on {target.name} (native mode)" if target is not None and report.unsupported else ""
+    problems = "; ".join(f"({i}) {p}" for i, p in enumerate(report.problems, 1))
+    raise PolicyMismatchError(
+        f"the policy does not fit model {getattr(spec, 'name', '?')!r}{where} ({origin}): "
+        f"{problems}"
+    )
+
+
+# --- checkpoints ------------------------------------------------------------------------------
+def _rng_state(dev: torch.device) -> dict[str, Tensor | None]:
+    cuda = torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None
+    return {"cpu": torch.get_rng_state(), "cuda": cuda}
+
+
+def _set_rng(state: dict[str, Tensor | None], dev: torch.device) -> None:
+    torch.set_rng_state(state["cpu"])
+    if dev.type == "cuda" and state.get("cuda") is not None:
+        torch.cuda.set_rng_state(state["cuda"], dev)
+
+
+def _save_checkpoint(
+    path: Path,
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: Any,
+    step: int,
+    config: dict[str, Any],
+    history: list[float],
+    overflows: int,
+    dev: torch.device,
+) -> None:
+    """Every rank hands in its RNG state (a collective); rank 0 writes the file atomically."""
+    rng = [_rng_state(dev)]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        rng = [None] * dist.get_world_size()
+        dist.all_gather_object(rng, _rng_state(dev))
+        if dist.get_rank() != 0:
+            return
+    state = {
+        "version": CHECKPOINT_VERSION,
+        "step": step,
+        "model": module.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scaler": scaler.state_dict(),
+        "rng": [{k: (v.cpu() if v is not None else None) for k, v in r.items()} for r in rng],
+        "train_loss": list(history),
+        "overflows": overflows,
+        "config": config,
+    }
+    write_atomic(path, lambda fh: torch.save(state, fh), binary=True)
+
+
+def _load_checkpoint(
+    path: Path | None, config: dict[str, Any], rank: int, world: int
+) -> dict[str, Any] | None:
+    """Rank 0 reads ``path`` (if it exists) and hands it to the other ranks."""
+    ckpt = None
+    problem = None
+    if path is not None and rank == 0 and path.exists():
+        try:
+            ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as err:  # noqa: BLE001 - any unreadable file gets the same advice
+            problem = f"cannot read {path}: {err}".replace("\n", " ")
+        else:
+            problem = _resume_problem(ckpt, config, path)
+    if world > 1:
+        box = [(ckpt, problem)]
+        dist.broadcast_object_list(box, src=0)
+        ckpt, problem = box[0]
+    if problem:
+        raise CheckpointError(problem)
+    return ckpt
+
+
+def _resume_problem(ckpt: Any, config: dict[str, Any], path: Path) -> str | None:
+    fix = f"use another checkpoint folder, or delete {path} to start afresh"
+    if not isinstance(ckpt, dict) or ckpt.get("version") != CHECKPOINT_VERSION:
+        return (
+            f"{path} is not an autoprec training checkpoint (version {CHECKPOINT_VERSION}); {fix}"
+        )
+    saved = ckpt["config"]
+    if saved.get("fingerprint") != config["fingerprint"]:
+        return f"{path} was written for another model architecture; {fix}"
+    if saved.get("policy") != config["policy"]:
+        return f"{path} was written with another policy ({saved.get('policy')}); {fix}"
+    changed = [
+        f"{key} {saved.get(key)!r} -> {config[key]!r}"
+        for key in _RESUME_KEYS
+        if saved.get(key) != config[key]
+    ]
+    if changed:
+        return f"{path} was written with other settings ({', '.join(changed)}); {fix}"
+    return None

@@ -1,0 +1,242 @@
+"""``autoprec train`` and ``autoprec.train.train``: policy check, loop, checkpoints, DDP."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from autoprec import LossScalingConfig, PrecisionPolicy, load_model, model_fingerprint, save_policy
+from autoprec.cli import main
+from autoprec.data import load_dataset_for
+from autoprec.layers import tunable_layers
+from autoprec.policy import ModelInfo
+from autoprec.train import (
+    CheckpointError,
+    PolicyMismatchError,
+    TrainConfigError,
+    train,
+)
+
+
+@pytest.fixture(autouse=True)
+def _eager_kernels(monkeypatch):
+    """The eager quantize kernels (same bits as the compiled ones, no compile time)."""
+    monkeypatch.setenv("AUTOPREC_COMPILE", "0")
+
+
+def _policy_for(name: str, **kwargs) -> PrecisionPolicy:
+    module = load_model(name).module
+    info = ModelInfo(
+        name=name,
+        fingerprint=model_fingerprint(module),
+        tunable_layers=len(list(tunable_layers(module))),
+    )
+    return PrecisionPolicy(model=info, **kwargs)
+
+
+def _tinycnn_policy(**scaling) -> PrecisionPolicy:
+    return _policy_for(
+        "tinycnn",
+        default="bf16",
+        layers={"conv1": "fp16", "fc2": "fp32"},
+        loss_scaling=LossScalingConfig(**scaling),
+    )
+
+
+def _spec_and_data(seed: int = 0):
+    torch.manual_seed(seed)  # what the CLI does: the same initial weights every run
+    spec = load_model("tinycnn")
+    return spec, load_dataset_for(spec, "digits", seed=seed)
+
+
+@pytest.fixture(scope="module")
+def policy_file(tmp_path_factory) -> Path:
+    return save_policy(_tinycnn_policy(), tmp_path_factory.mktemp("policy") / "tinycnn.yaml")
+
+
+def _cli(policy: Path, *extra: str) -> list[str]:
+    return ["train", "--model", "tinycnn", "--policy", str(policy), *extra]
+
+
+# --- the command --------------------------------------------------------------------------------
+def test_cli_trains_a_few_steps_and_writes_a_checkpoint(policy_file, tmp_path, capsys):
+    ckpt_dir = tmp_path / "ckpt"
+    args = _cli(
+        policy_file, "--steps", "8", "--batch-size", "64", "--checkpoint-dir", str(ckpt_dir)
+    )
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "world size 1" in out
+    assert "step 8 (epoch 0.36): val loss" in out  # 22 steps per epoch; validated at the end
+    assert "done: 8 steps" in out and f"checkpoint: {ckpt_dir / 'last.pt'}" in out
+
+    assert [p.name for p in ckpt_dir.iterdir()] == ["last.pt"]  # no temporary file left over
+    state = torch.load(ckpt_dir / "last.pt", weights_only=True)
+    assert state["step"] == 8
+    losses = state["train_loss"]
+    assert len(losses) == 8 and all(math.isfinite(v) for v in losses)
+    assert sum(losses[-3:]) / 3 < losses[0] - 0.3  # it learns (chance level is ln 10 = 2.3)
+    assert state["scaler"]["scale"] == 2.0**15  # the policy's dynamic scaler, no overflow
+    assert set(state["config"]) >= {"policy", "fingerprint", "batch_size", "world_size"}
+
+
+def test_cli_refuses_a_policy_made_for_another_model(tmp_path, capsys):
+    mlp = _policy_for("mlp", default="bf16", layers={"fc1": "fp16", "fc3": "fp32"})
+    path = save_policy(mlp, tmp_path / "mlp.yaml")
+    ckpt_dir = tmp_path / "ckpt"
+    assert main(_cli(path, "--steps", "2", "--checkpoint-dir", str(ckpt_dir))) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "does not fit model 'tinycnn'" in err and "made for model 'mlp'" in err
+    assert "fingerprint" in err and "'fc3'" in err
+    assert not ckpt_dir.exists()  # refused before anything was done
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        (("--steps", "2", "--epochs", "1"), "not both"),
+        (("--steps", "0"), "steps must be an integer >= 1"),
+        (("--batch-size", "5000"), "lower --batch-size"),
+    ],
+)
+def test_cli_bad_settings_exit_2_in_one_line(policy_file, capsys, extra, expected):
+    assert main(_cli(policy_file, *extra)) == 2
+    err = capsys.readouterr().err
+    assert expected in err and "Traceback" not in err
+
+
+def test_cli_missing_or_malformed_policy_or_unknown_model_exit_2(policy_file, tmp_path, capsys):
+    assert main(_cli(tmp_path / "nope.yaml", "--steps", "1")) == 2
+    assert "no such file" in capsys.readouterr().err
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("autoprec_policy: 1\ndefault: bf8\n")
+    assert main(_cli(bad, "--steps", "1")) == 2
+    assert "bf8" in capsys.readouterr().err
+    args = ["train", "--model", "tinycnnn", "--policy", str(policy_file), "--steps", "1"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "unknown model 'tinycnnn'" in err and "Traceback" not in err
+
+
+def test_cli_refuses_to_resume_a_checkpoint_of_another_policy(policy_file, tmp_path, capsys):
+    ckpt_dir = str(tmp_path / "ckpt")
+    assert main(_cli(policy_file, "--steps", "1", "--checkpoint-dir", ckpt_dir)) == 0
+    other = save_policy(_policy_for("tinycnn", default="fp16"), tmp_path / "other.yaml")
+    assert main(_cli(other, "--steps", "2", "--checkpoint-dir", ckpt_dir)) == 2
+    err = capsys.readouterr().err
+    assert "written with another policy" in err and "Traceback" not in err
+
+
+# --- the library ----------------------------------------------------------------------------------
+def test_policy_mismatch_raises_before_training():
+    spec, data = _spec_and_data()
+    before = {k: v.clone() for k, v in spec.module.state_dict().items()}
+    policy = _policy_for("resnet18", default="bf16", layers={"layer1.0.conv1": "fp16"})
+    with pytest.raises(PolicyMismatchError, match="made for model 'resnet18'.*layer1.0.conv1"):
+        train(spec, data, policy, steps=1)
+    after = spec.module.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    with pytest.raises(TrainConfigError, match="not both"):
+        train(spec, data, _tinycnn_policy(), steps=1, epochs=1)
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def test_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(tmp_path):
+    # Scaling from 2**24 with growth every 3 steps overflows the fp16 layer now and then, so
+    # the scaler's state (scale, growth tracker, skipped steps) has to survive the resume too.
+    policy = _tinycnn_policy(init_scale=2.0**24, growth_interval=3)
+    settings = dict(steps=14, batch_size=128, grad_accum=1, lr=0.05, seed=3)  # 11 steps/epoch
+
+    spec, data = _spec_and_data()
+    whole = train(spec, data, policy, checkpoint_dir=tmp_path / "whole", **settings)
+    assert whole.steps == 14 and whole.epochs == 1 and whole.steps_per_epoch == 11
+    assert [v["step"] for v in whole.val_history] == [11, 14]
+    assert whole.skipped_steps > 0  # the scaler did back off
+
+    def stop_at_6(step, metrics):
+        if step == 6 and "train_loss" in metrics:
+            raise _Interrupted
+
+    spec_b, data_b = _spec_and_data()
+    ckpt_dir = tmp_path / "split"
+    with pytest.raises(_Interrupted):
+        train(spec_b, data_b, policy, checkpoint_dir=ckpt_dir, checkpoint_every=1,
+              log=stop_at_6, **settings)  # fmt: skip
+    assert torch.load(ckpt_dir / "last.pt", weights_only=True)["step"] == 5
+
+    spec_c, data_c = _spec_and_data()  # a new process would build fresh weights, too
+    resumed = train(spec_c, data_c, policy, checkpoint_dir=ckpt_dir, **settings)
+    assert resumed.resumed_from == 5 and resumed.steps == 14
+    assert resumed.train_loss == whole.train_loss
+    assert resumed.skipped_steps == whole.skipped_steps
+    assert (resumed.val_loss, resumed.val_accuracy) == (whole.val_loss, whole.val_accuracy)
+    final_whole, final_resumed = spec.module.state_dict(), spec_c.module.state_dict()
+    assert list(final_whole) == list(final_resumed)
+    for key, value in final_whole.items():
+        assert torch.equal(value, final_resumed[key]), key
+    a = torch.load(tmp_path / "whole" / "last.pt", weights_only=True)
+    b = torch.load(ckpt_dir / "last.pt", weights_only=True)
+    assert a["scaler"] == b["scaler"]
+    for sa, sb in zip(
+        a["optimizer"]["state"].values(), b["optimizer"]["state"].values(), strict=True
+    ):
+        assert torch.equal(sa["momentum_buffer"], sb["momentum_buffer"])
+
+    with pytest.raises(CheckpointError, match="other settings.*batch_size 128 -> 64"):
+        train(spec_c, data_c, policy, checkpoint_dir=ckpt_dir, **{**settings, "batch_size": 64})
+
+
+def test_grad_accum_counts_optimizer_steps_and_logs_on_each():
+    spec, data = _spec_and_data()
+    seen = []
+    result = train(
+        spec,
+        data,
+        _tinycnn_policy(),
+        steps=3,
+        batch_size=32,
+        grad_accum=2,
+        log=lambda step, m: seen.append((step, sorted(m))),
+    )
+    assert result.steps == 3 and len(result.train_loss) == 3
+    assert result.steps_per_epoch == (1438 // 32) // 2  # whole steps of 2 x 32 examples
+    assert seen[:3] == [
+        (1, ["epoch", "loss_scale", "train_loss"]),
+        (2, ["epoch", "loss_scale", "train_loss"]),
+        (3, ["epoch", "loss_scale", "train_loss"]),
+    ]
+    assert seen[3] == (3, ["epoch", "val_accuracy", "val_loss"])
+    assert all(not m._forward_pre_hooks for m in spec.module.modules())  # policy removed
+
+
+# --- DDP ----------------------------------------------------------------------------------------
+def test_torchrun_two_gloo_processes(policy_file, tmp_path):
+    ckpt_dir = tmp_path / "ckpt"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+        "-m", "autoprec", *_cli(policy_file, "--steps", "3", "--batch-size", "32",
+                                "--device", "cpu", "--checkpoint-dir", str(ckpt_dir)),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "AUTOPREC_COMPILE": "0"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180, cwd=tmp_path)
+    why = [line for line in proc.stderr.splitlines() if "rror" in line or "what()" in line]
+    assert proc.returncode == 0, "\n".join(why[-40:]) or proc.stderr[-3000:]
+    out = proc.stdout
+    assert out.count("training tinycnn") == 1 and out.count("done: 3 steps") == 1  # rank 0 only
+    assert "world size 2" in out and "step 3 (epoch" in out
+    assert [p.name for p in ckpt_dir.iterdir()] == ["last.pt"]
+    state = torch.load(ckpt_dir / "last.pt", weights_only=True)
+    assert state["step"] == 3 and state["config"]["world_size"] == 2
+    rng = state["rng"]  # one RNG state per rank, gathered from both processes
+    assert len(rng) == 2 and not torch.equal(rng[0]["cpu"], rng[1]["cpu"])
+    assert all(math.isfinite(v) for v in state["train_loss"])
