@@ -172,6 +172,16 @@ class LossScaler(torch.amp.GradScaler):
         self._min_scale = math.inf
 
     @classmethod
+    def from_policy(cls, policy: Any, *, device: str | torch.device | None = None) -> LossScaler:
+        """The scaler a policy asks for: :meth:`from_config` of its ``loss_scaling`` section.
+
+        A policy without that section (no fp16 layers, typically) gets a disabled scaler whose
+        ``scale``/``step``/``update`` are plain pass-throughs, so one training loop serves
+        every policy.
+        """
+        return cls.from_config(getattr(policy, "loss_scaling", None), device=device)
+
+    @classmethod
     def from_config(cls, cfg: Any, *, device: str | torch.device | None = None) -> LossScaler:
         """Build a scaler from a policy's ``loss_scaling`` section.
 

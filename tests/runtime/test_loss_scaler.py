@@ -364,3 +364,15 @@ def test_emulated_fp16_gradient_overflow_backs_off_then_trains():
         ref_opt.step()
     torch.testing.assert_close(model.weight, reference.weight, rtol=0, atol=1e-6)
     torch.testing.assert_close(model.bias, reference.bias, rtol=0, atol=1e-6)
+
+
+def test_from_policy_reads_the_loss_scaling_section():
+    from autoprec.policy import LossScalingConfig, PrecisionPolicy
+
+    with_scaling = PrecisionPolicy(
+        default="fp16", loss_scaling=LossScalingConfig(kind="static", init_scale=256.0)
+    )
+    scaler = LossScaler.from_policy(with_scaling)
+    assert scaler.kind == "static" and scaler.get_scale() == 256.0
+    plain = LossScaler.from_policy(PrecisionPolicy(default="bf16"))
+    assert not plain.is_enabled()
