@@ -30,6 +30,13 @@ def _eager_kernels(monkeypatch):
     monkeypatch.setenv("AUTOPREC_COMPILE", "0")
 
 
+@pytest.fixture(autouse=True)
+def _no_mlflow(monkeypatch):
+    """`autoprec train` logs to MLflow (./mlflow.db) by default; the tests that check the
+    logging turn it back on with a temporary store."""
+    monkeypatch.setenv("AUTOPREC_NO_MLFLOW", "1")
+
+
 def _policy_for(name: str, **kwargs) -> PrecisionPolicy:
     module = load_model(name).module
     info = ModelInfo(
@@ -132,6 +139,78 @@ def test_cli_refuses_to_resume_a_checkpoint_of_another_policy(policy_file, tmp_p
     assert main(_cli(other, "--steps", "2", "--checkpoint-dir", ckpt_dir)) == 2
     err = capsys.readouterr().err
     assert "written with another policy" in err and "Traceback" not in err
+
+
+# --- MLflow ---------------------------------------------------------------------------------------
+def test_cli_logs_one_run_with_metrics_and_the_policy(policy_file, tmp_path, monkeypatch, capsys):
+    from mlflow import MlflowClient
+
+    from autoprec.compare import compare_searches
+
+    monkeypatch.delenv("AUTOPREC_NO_MLFLOW")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.chdir(tmp_path)  # the artifacts (mlruns/) land here
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    assert main(_cli(policy_file, "--steps", "3", "--tracking-uri", uri)) == 0
+    out, err = capsys.readouterr()
+    assert "mlflow: run" in out and "tracking off" not in err
+
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name("autoprec/tinycnn")
+    runs = client.search_runs([experiment.experiment_id])
+    assert len(runs) == 1
+    run = runs[0]
+    run_id = run.info.run_id
+    assert run.info.status == "FINISHED" and run.data.tags["autoprec.kind"] == "train"
+    params = run.data.params
+    assert params["model"] == "tinycnn" and params["dataset"] == "digits"
+    assert params["policy_file"] == os.path.abspath(policy_file)
+    assert params["policy_digest"] == _tinycnn_policy().digest()
+    assert (params["steps"], params["batch_size"], params["grad_accum"]) == ("3", "32", "1")
+    assert (params["lr"], params["world_size"], params["mode"]) == ("0.05", "1", "auto")
+    assert params["runtime_mode"] == "emulate"
+
+    def history(key):
+        return [(m.step, m.value) for m in client.get_metric_history(run_id, key)]
+
+    losses = history("train_loss")
+    assert [step for step, _ in losses] == [1, 2, 3]
+    assert all(math.isfinite(v) for _, v in losses)
+    assert history("loss_scale") == [(1, 2.0**15), (2, 2.0**15), (3, 2.0**15)]
+    (val_step, val_loss), = history("val_loss")  # fmt: skip
+    assert val_step == 3 and val_loss > 0
+    assert [step for step, _ in history("val_accuracy")] == [3]
+    final = run.data.metrics
+    assert final["final_train_loss"] == losses[-1][1] and final["final_val_loss"] == val_loss
+    assert final["total_steps"] == 3 and final["skipped_steps"] == 0
+    assert {"final_val_accuracy", "overflows", "train_wall_time_s"} <= set(final)
+
+    logged = Path(client.download_artifacts(run_id, policy_file.name, str(tmp_path)))
+    assert logged.read_text() == policy_file.read_text()
+    assert compare_searches(uri) == []  # a training run is no search
+
+
+def test_cli_trains_on_when_the_tracking_server_is_unreachable(
+    policy_file, tmp_path, monkeypatch, capsys
+):
+    import socket
+
+    monkeypatch.delenv("AUTOPREC_NO_MLFLOW")
+    monkeypatch.chdir(tmp_path)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # closed once the block ends
+    uri = f"http://127.0.0.1:{port}"
+    assert main(_cli(policy_file, "--steps", "2", "--tracking-uri", uri)) == 0
+    out, err = capsys.readouterr()
+    assert "done: 2 steps" in out
+    lines = [line for line in err.splitlines() if "tracking off" in line]
+    assert len(lines) == 1 and lines[0].startswith("autoprec: tracking off: ")
+    assert "Traceback" not in err
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert main(_cli(policy_file, "--steps", "1", "--no-mlflow")) == 0
+    assert not (tmp_path / "mlflow.db").exists()  # --no-mlflow: the default store is untouched
 
 
 # --- the library ----------------------------------------------------------------------------------

@@ -1,0 +1,124 @@
+"""``autoprec compare``: the logged searches side by side, as a table, CSV and a Pareto chart.
+
+Example::
+
+    autoprec compare --model tinycnn
+    autoprec compare --experiment autoprec/resnet18 --sort speedup --csv runs.csv --plot fronts.png
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import click
+
+# (row key, header, format) of the table's columns.
+_TABLE = (
+    ("run_id", "run", lambda v: str(v)[:8]),
+    ("agent", "agent", str),
+    ("target", "target", str),
+    ("budget", "budget", str),
+    ("evaluations", "evals", str),
+    ("best_reward", "best reward", lambda v: f"{v:.3f}"),
+    ("speedup", "speedup", lambda v: f"{v:.2f}x"),
+    ("memory_ratio", "memory", lambda v: f"{v:.2f}x"),
+    ("loss_delta", "loss Δ", lambda v: f"{v:+.4f}"),
+    ("accuracy_delta", "acc Δ", lambda v: f"{v:+.4f}"),
+    ("wall_time_s", "wall time", lambda v: f"{v:.0f} s"),
+    ("start_time", "started (UTC)", lambda v: str(v).replace("T", " ").split("+")[0]),
+    ("status", "status", str),
+)
+
+
+@click.command()
+@click.option(
+    "--experiment", default=None, help="MLflow experiment (default: every autoprec/* one)."
+)
+@click.option(
+    "--model", "model_name", default=None, help="Only searches of this model (autoprec/MODEL)."
+)
+@click.option(
+    "--tracking-uri",
+    default=None,
+    help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here).",
+)
+@click.option(
+    "--sort",
+    "sort_by",
+    default="best_reward",
+    show_default=True,
+    help="Column to sort by, best first (e.g. speedup, loss_delta, start_time); add :asc or "
+    ":desc to choose the direction.",
+)
+@click.option(
+    "--csv", "csv_path", type=click.Path(dir_okay=False), default=None, help="Write the rows."
+)
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write a PNG with every search's Pareto front.",
+)
+def compare(
+    experiment: str | None,
+    model_name: str | None,
+    tracking_uri: str | None,
+    sort_by: str,
+    csv_path: str | None,
+    plot_path: str | None,
+) -> None:
+    """Compare the searches logged to MLflow: one row per search."""
+    from autoprec.compare import compare_searches, plot_fronts, sort_rows, write_rows_csv
+
+    # CompareError (a ValueError) becomes one line and exit status 2 in autoprec.cli.main
+    rows = sort_rows(compare_searches(tracking_uri, experiment, model_name), sort_by)
+    if not rows:
+        where = experiment or (f"autoprec/{model_name}" if model_name else "autoprec/*")
+        also = f" of model {model_name!r}" if model_name and experiment else ""
+        click.echo(f"no autoprec searches{also} in experiment {where} at {_uri(tracking_uri)}")
+        return
+    _print_table(rows)
+    if csv_path is not None:
+        click.echo(f"{len(rows)} rows -> {write_rows_csv(rows, csv_path)}")
+    if plot_path is not None:
+        drawn = plot_fronts(rows, plot_path, tracking_uri)
+        left = len(rows) - len(drawn)
+        note = f" ({left} without pareto.csv left out)" if left else ""
+        click.echo(f"{len(drawn)} Pareto fronts -> {plot_path}{note}")
+
+
+def _uri(tracking_uri: str | None) -> str:
+    import os
+
+    from autoprec.tracking import DEFAULT_TRACKING_URI
+
+    return tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+
+
+def _print_table(rows: list[dict[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    experiments = sorted({row["experiment"] for row in rows})
+    title = f"{len(rows)} searches in {', '.join(experiments)}"
+    table = Table(title=title, title_justify="left")
+    columns = list(_TABLE)
+    if len(experiments) > 1:
+        columns.insert(1, ("experiment", "experiment", str))
+    for key, header, _ in columns:
+        numeric = key not in ("run_id", "experiment", "agent", "target", "start_time", "status")
+        table.add_column(header, justify="right" if numeric else "left", no_wrap=True)
+    for row in rows:
+        table.add_row(*(_cell(row.get(key), fmt) for key, _, fmt in columns))
+    console = Console()
+    if not console.is_terminal:  # a pipe or a file: no squeezed columns
+        console = Console(width=max(console.width, 200))
+    console.print(table)
+
+
+def _cell(value: Any, fmt: Any) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    return fmt(value)
