@@ -7,12 +7,16 @@ and exit status 2; a traceback is a bug.
 
 from __future__ import annotations
 
+import logging
+
 import click
 
 from autoprec import __version__
 from autoprec.cli.analyze import analyze
+from autoprec.cli.compare import compare
 from autoprec.cli.formats import formats
 from autoprec.cli.hardware import hardware
+from autoprec.cli.migrate import migrate
 from autoprec.cli.models import models
 from autoprec.cli.search import search
 from autoprec.cli.train import train
@@ -25,8 +29,10 @@ def cli() -> None:
 
 
 cli.add_command(analyze)
+cli.add_command(compare)
 cli.add_command(formats)
 cli.add_command(hardware)
+cli.add_command(migrate)
 cli.add_command(models)
 cli.add_command(search)
 cli.add_command(train)
@@ -34,6 +40,9 @@ cli.add_command(train)
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
+    # torch.compile's first use on a machine without CUDA logs a "No CUDA runtime" warning
+    # that says nothing to an autoprec user
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     try:
         status = cli.main(args=argv, prog_name="autoprec", standalone_mode=False)
     except click.exceptions.Exit as done:

@@ -1,0 +1,208 @@
+"""``autoprec migrate``: move a model's training to a lower precision, step by step.
+
+Tries the whole model at the low precision first; if that breaks the tolerance, lowers it block
+by block, then layer by layer inside the blocks that had to stay wide
+(:func:`autoprec.agents.migrate.migrate`). Every step is a real, cached evaluation; each is
+printed as it finishes. Writes the final policy (``--out``) and the plan of every step (``--plan``).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import click
+
+from autoprec.cli.search import FALLBACK_TARGET, SMALL_IMAGE
+
+
+class MigrateSetupError(ValueError):
+    """A migration cannot start as asked (target, precision, output path, ...)."""
+
+
+@click.command()
+@click.option("--model", "model_name", required=True, help="Model name (see `autoprec models`).")
+@click.option("--dataset", default="digits", show_default=True, help="Data for fine-tuning.")
+@click.option("--data-dir", type=click.Path(), default=None, help="Folder for cifar/imagefolder.")
+@click.option(
+    "--target",
+    default=None,
+    help=f"Accelerator to migrate for (default: the local GPU; without one, {FALLBACK_TARGET}).",
+)
+@click.option(
+    "--precision",
+    default=None,
+    help="The low precision to migrate to (default: the target's preferred one, bf16 or fp16).",
+)
+@click.option(
+    "--accuracy-tolerance",
+    type=float,
+    default=0.05,
+    show_default=True,
+    help="Largest relative training-loss increase over fp32 a step may cause and be kept.",
+)
+@click.option("--steps", type=int, default=None, help="Fine-tuning steps of each evaluation.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--num-classes", type=int, default=10, show_default=True)
+@click.option(
+    "--image-size",
+    type=int,
+    default=None,
+    help=f"Fine-tuning image size (default {SMALL_IMAGE} for torchvision models).",
+)
+@click.option(
+    "--train-batch-size",
+    type=int,
+    default=256,
+    show_default=True,
+    help="Production batch size: the step time and memory are predicted for it.",
+)
+@click.option(
+    "--train-image-size",
+    type=int,
+    default=None,
+    help="Production image size for the cost (default: the model's own, 224 for torchvision).",
+)
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False),
+    default="migrated_policy.yaml",
+    show_default=True,
+    help="Where the migrated policy is written (.yaml, .yml or .json).",
+)
+@click.option(
+    "--plan",
+    type=click.Path(dir_okay=False),
+    default="migration_plan.yaml",
+    show_default=True,
+    help="Where the plan (every step and its metrics) is written, as YAML.",
+)
+def migrate(**o: Any) -> None:
+    """Migrate MODEL's training to a low precision on TARGET, as far as the tolerance allows."""
+    from autoprec.agents.migrate import check_precision
+    from autoprec.agents.migrate import migrate as run_migration
+
+    _check_outputs(Path(o["out"]), Path(o["plan"]))
+    if o["accuracy_tolerance"] < 0:
+        raise MigrateSetupError(f"--accuracy-tolerance must be >= 0, got {o['accuracy_tolerance']}")
+    if o["steps"] is not None and o["steps"] < 1:
+        raise MigrateSetupError(f"--steps must be at least 1, got {o['steps']}")
+    target = _target(o["target"])
+    low = check_precision(target, o["precision"])
+    evaluator = _build_evaluator(o, target)
+    click.echo(
+        f"migrating {evaluator.spec.name} to {low.value} on {evaluator.device.name} "
+        f"(tolerance: loss delta <= {o['accuracy_tolerance']:g})"
+    )
+    result = run_migration(evaluator, low, o["accuracy_tolerance"], on_step=_print_step)
+    _write(result, Path(o["out"]), Path(o["plan"]))
+    click.echo(_summary(result))
+    click.echo(f"policy -> {o['out']}; plan -> {o['plan']} ({result.wall_time_s:.1f} s)")
+
+
+def _check_outputs(*paths: Path) -> None:
+    """Fail before any work if an output cannot be written (or has a wrong suffix)."""
+    from autoprec.policy_io import JSON_SUFFIXES, YAML_SUFFIXES
+
+    if paths[0].suffix.lower() not in YAML_SUFFIXES + JSON_SUFFIXES:
+        raise MigrateSetupError(
+            f"--out {paths[0]}: unknown policy file suffix {paths[0].suffix!r}; "
+            "use .yaml, .yml or .json"
+        )
+    for folder in {p.resolve().parent for p in paths}:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=folder, prefix=".autoprec-probe-"):
+                pass
+        except OSError as err:
+            raise MigrateSetupError(f"cannot write to {folder}: {err.strerror or err}") from None
+
+
+def _target(name: str | None) -> Any:
+    """The target device: ``name``, else the local GPU, else the fallback (with a message)."""
+    from autoprec.hardware import detect, get_device
+
+    if name is not None:
+        return get_device(name)
+    local = detect()
+    if local.name != "cpu":
+        return local
+    click.echo(
+        f"no GPU here: migrating for {FALLBACK_TARGET} (choose with --target); precisions are "
+        "emulated and costs predicted by the cost model",
+        err=True,
+    )
+    return get_device(FALLBACK_TARGET)
+
+
+def _build_evaluator(o: dict[str, Any], device: Any) -> Any:
+    """Model, data and evaluator, built as ``autoprec search`` builds them (fine-tuning at 32 px
+    for torchvision models; cost at --train-batch-size and --train-image-size)."""
+    from autoprec.data import load_dataset_for
+    from autoprec.evaluate import Evaluator
+    from autoprec.models import load_model
+
+    name, classes = o["model_name"], o["num_classes"]
+    spec = load_model(name, num_classes=classes)
+    image_size = o["image_size"]
+    if image_size is None and len(spec.input_shape) == 3 and spec.input_shape[-1] == 224:
+        image_size = SMALL_IMAGE
+    cost_spec = spec
+    if o["train_image_size"] is not None and len(spec.input_shape) == 3:
+        cost_spec = load_model(name, num_classes=classes, image_size=o["train_image_size"])
+    if image_size is not None:
+        spec = load_model(name, num_classes=classes, image_size=image_size)
+    data_kwargs: dict[str, Any] = {"seed": o["seed"]}
+    if o["data_dir"]:
+        data_kwargs["root"] = o["data_dir"]
+    data = load_dataset_for(spec, o["dataset"], **data_kwargs)
+    return Evaluator(
+        spec,
+        data,
+        target=device,
+        steps=o["steps"],
+        seed=o["seed"],
+        cost_spec=cost_spec,
+        cost_batch_size=o["train_batch_size"],
+    )
+
+
+def _print_step(step: Any) -> None:
+    what = f"{step.item} ({len(step.layers)} layers)" if len(step.layers) > 1 else step.item
+    verdict = "kept" if step.accepted else "reverted"
+    if step.diverged:
+        verdict += " (diverged)"
+    click.echo(
+        f"step {step.number:3d}  {step.stage:<6}  {what:<32}  loss delta "
+        f"{step.loss_delta:+.4f}  speedup {step.speedup:.2f}x  {verdict}"
+    )
+
+
+def _summary(result: Any) -> str:
+    m = result.metrics
+    outcome = (
+        f"loss delta {m.loss_delta:+.4f}, speedup {m.speedup:.2f}x, memory {m.memory_ratio:.2f}x"
+    )
+    if result.migrated_without_intervention:
+        return f"migrated without intervention: every layer at {result.precision} ({outcome})"
+    if not result.lowered:
+        return (
+            f"nothing could be lowered within the tolerance ({result.tolerance:g}); every layer "
+            "stays fp32"
+        )
+    return (
+        f"migrated {len(result.lowered)} of {result.total_layers} layers to {result.precision} "
+        f"after {len(result.steps)} steps ({outcome})"
+    )
+
+
+def _write(result: Any, out: Path, plan: Path) -> None:
+    import yaml
+
+    from autoprec.cache import write_atomic
+    from autoprec.policy_io import save_policy
+
+    save_policy(result.policy, out)
+    text = yaml.safe_dump(result.to_plan(), sort_keys=False, default_flow_style=False)
+    write_atomic(plan, lambda fh: fh.write(text))
