@@ -220,7 +220,7 @@ class Evaluator:
             "mode": self.mode,
             "steps": self.steps,
         }
-        self._settings_key = _sha([self.fingerprint, data.key, seed, settings])
+        self._settings_key = _sha([self.fingerprint, initial, data.key, seed, settings])
         self._store = EvaluationStore(self.cache_dir / "evaluations.sqlite")
         self._memo: dict[str, Metrics] = {}
         self._warm_state: dict[str, torch.Tensor] | None = None

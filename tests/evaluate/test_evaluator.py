@@ -143,3 +143,4 @@ def test_other_initial_weights_get_their_own_warm_start(spec, data):
     same = Evaluator(copy.deepcopy(spec), data, TARGET, **SMALL)
     other = Evaluator(load_model("tinycnn", num_classes=10, seed=7), data, TARGET, **SMALL)
     assert a.warm_start_path == same.warm_start_path != other.warm_start_path
+    assert a._key(a._as_policy("bf16"), "short") != other._key(other._as_policy("bf16"), "short")
