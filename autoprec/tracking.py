@@ -80,6 +80,34 @@ _COLOURS = {
 }
 
 
+EXPERIMENT_TAGS = {
+    # MLflow 3's UI opens an experiment of this kind on its "Model training" runs table
+    "mlflow.experimentKind": "custom_model_development",
+}
+
+
+def experiment_id(client: Any, name: str) -> str:
+    """The id of experiment ``name``, created (with :data:`EXPERIMENT_TAGS`) if missing.
+
+    Raises:
+        RuntimeError: the experiment exists but is deleted.
+    """
+    found = client.get_experiment_by_name(name)
+    if found is None:
+        try:
+            return client.create_experiment(name, tags=EXPERIMENT_TAGS)
+        except Exception:  # noqa: BLE001 - created meanwhile by another process?
+            found = client.get_experiment_by_name(name)
+            if found is None:
+                raise
+    if found.lifecycle_stage == "deleted":
+        raise RuntimeError(
+            f"experiment {name!r} is deleted; restore it (`mlflow experiments restore`) or "
+            "choose another one (--experiment)"
+        )
+    return found.experiment_id
+
+
 class SearchTracker:
     """Logs one search to MLflow; see the module docstring for what goes where.
 
@@ -308,21 +336,7 @@ class SearchTracker:
         return client
 
     def _experiment_id(self) -> str:
-        client = self._client
-        found = client.get_experiment_by_name(self.experiment)
-        if found is None:
-            try:
-                return client.create_experiment(self.experiment)
-            except Exception:  # noqa: BLE001 - created meanwhile by another search?
-                found = client.get_experiment_by_name(self.experiment)
-                if found is None:
-                    raise
-        if found.lifecycle_stage == "deleted":
-            raise RuntimeError(
-                f"experiment {self.experiment!r} is deleted; restore it (`mlflow experiments "
-                "restore`) or choose another one (--experiment)"
-            )
-        return found.experiment_id
+        return experiment_id(self._client, self.experiment)
 
     def _parent_params(self) -> dict[str, Any]:
         import autoprec

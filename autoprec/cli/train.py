@@ -285,7 +285,7 @@ class _TrainTracking:
         self.enabled = False
 
     def _start(self) -> bool:
-        from autoprec.tracking import _CONNECT_LIMITS, _sqlite_lock
+        from autoprec.tracking import _CONNECT_LIMITS, _sqlite_lock, experiment_id
 
         with self._guard("cannot start", _CONNECT_LIMITS):
             from mlflow import MlflowClient
@@ -293,22 +293,9 @@ class _TrainTracking:
 
             with _sqlite_lock(self.tracking_uri):  # one process creates a new database
                 client = MlflowClient(tracking_uri=self.tracking_uri)
-                found = client.get_experiment_by_name(self.experiment)
-            if found is None:
-                try:
-                    experiment_id = client.create_experiment(self.experiment)
-                except Exception:  # noqa: BLE001 - created meanwhile by another process?
-                    found = client.get_experiment_by_name(self.experiment)
-                    if found is None:
-                        raise
-            if found is not None:
-                if found.lifecycle_stage == "deleted":
-                    raise RuntimeError(
-                        f"experiment {self.experiment!r} is deleted; restore it (`mlflow "
-                        "experiments restore`) or choose another one (--experiment)"
-                    )
-                experiment_id = found.experiment_id
-            run = client.create_run(experiment_id, run_name=self.run_name, tags=self.tags)
+                client.get_experiment_by_name(self.experiment)
+            experiment = experiment_id(client, self.experiment)
+            run = client.create_run(experiment, run_name=self.run_name, tags=self.tags)
             self._client, self.run_id = client, run.info.run_id
             params = [Param(k, str(v)) for k, v in self.params.items()]
             client.log_batch(self.run_id, params=params)
