@@ -68,10 +68,9 @@ SURROGATE_BATCH_SIZE = 32
 FULL_STEPS = 200
 SHORT_STEPS = 30
 # Fine-tuning under a policy: plain SGD at a fifth of the warm start's rate. With the warm
-# start's lr 0.05 and momentum 0.9 the 30-step loss is chaotic (resnet18 on digits: a tf32
-# policy moved it by 0.4% and fp8 by -3% to +309% from seed to seed); at 0.01 without momentum
-# tf32/fp16 stay within 0.03% of fp32 and bf16 is consistently +0.05%
-# (experiments/study_short_fidelity.py, docs/benchmarks.md).
+# start's lr 0.05 and momentum 0.9 the 30-step loss is chaotic (tinycnn on digits: tf32 moves
+# it by -1.1% ± 2.4% over seeds, fp8 by +4% ± 91%); at 0.01 without momentum tf32 and fp16
+# stay within 0.02% of fp32 (experiments/study_short_fidelity.py, docs/benchmarks.md).
 FINETUNE_LR = 0.01
 FINETUNE_MOMENTUM = 0.0
 DIVERGENCE_FACTOR = 10.0  # a final loss above this many times fp32's counts as diverged
