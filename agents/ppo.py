@@ -11,7 +11,6 @@ reward.
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -178,15 +177,8 @@ class PPOAgent(Agent):
                 "ppo with n_envs > 1 rebuilds the environment in worker processes and needs "
                 "problem.env_kwargs (model, dataset, target, ...)"
             )
-        evaluator_seed = kwargs.pop("seed", 0)
-        if evaluator_seed != 0:
-            warnings.warn(
-                "make_vec takes 'seed' for resetting the envs, so the workers' evaluators use "
-                f"seed 0, not {evaluator_seed}; their surrogate may differ from this process's",
-                stacklevel=3,
-            )
-        kwargs.update(env_args, fidelity=SURROGATE)
-        return make_vec(self.n_envs, seed=session.seed, **kwargs)
+        evaluator_seed = kwargs.pop("seed", None)
+        return make_vec(self.n_envs, seed=session.seed, env_seed=evaluator_seed, **kwargs)
 
     def _model(self, venv: Any, session: Session, n_steps: int) -> Any:
         from sb3_contrib import MaskablePPO

@@ -44,6 +44,7 @@ def make_vec(
     monitor: bool = True,
     seed: int | None = None,
     torch_threads: int | None = None,
+    env_seed: int | None = None,
     **env_kwargs: Any,
 ) -> Any:
     """``n_envs`` PrecisionEnvs in a ``SubprocVecEnv`` (a ``DummyVecEnv`` when ``n_envs == 1``).
@@ -58,6 +59,9 @@ def make_vec(
             equal share of the cores (``os.cpu_count() // n_envs``, at least 1), so that the
             workers' fine-tuning runs do not oversubscribe the CPU, and leaves a single
             in-process env alone.
+        env_seed: the environments' own ``seed`` argument (their evaluator's seed: warm
+            start and data order), which ``seed`` above would otherwise shadow; None keeps
+            :class:`~autoprec.envs.PrecisionEnv`'s default.
         **env_kwargs: keyword arguments of :class:`~autoprec.envs.PrecisionEnv` (all must be
             picklable when ``n_envs > 1``; an ``evaluator`` is copied into every worker).
 
@@ -72,6 +76,8 @@ def make_vec(
         raise ValueError(f"start_method must be 'spawn' or 'forkserver', got {start_method!r}")
     if torch_threads is None and n_envs > 1:
         torch_threads = max(1, (os.cpu_count() or 1) // n_envs)
+    if env_seed is not None:
+        env_kwargs["seed"] = env_seed
     factory = functools.partial(_make_env, dict(env_kwargs), monitor, torch_threads)
     if n_envs == 1:
         venv = DummyVecEnv([factory])

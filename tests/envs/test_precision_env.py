@@ -177,8 +177,9 @@ def test_make_vec_single_env_with_masks():
 
     from autoprec.envs.vec import make_vec
 
-    venv = make_vec(1, seed=0, target="a100-40gb-sxm", **FAST)
+    venv = make_vec(1, seed=0, env_seed=3, target="a100-40gb-sxm", **FAST)
     assert isinstance(venv, DummyVecEnv) and is_masking_supported(venv)
+    assert venv.envs[0].unwrapped.evaluator.seed == 3  # not shadowed by make_vec's own seed
     venv.reset()
     for _ in LAYERS:
         masks = get_action_masks(venv)
