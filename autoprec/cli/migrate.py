@@ -8,13 +8,18 @@ printed as it finishes. Writes the final policy (``--out``) and the plan of ever
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import click
 
-from autoprec.cli.search import FALLBACK_TARGET, SMALL_IMAGE
+from autoprec.cli._setup import (
+    FALLBACK_TARGET,
+    SMALL_IMAGE,
+    build_evaluator,
+    check_writable,
+    resolve_target,
+)
 
 
 class MigrateSetupError(ValueError):
@@ -90,7 +95,7 @@ def migrate(**o: Any) -> None:
         raise MigrateSetupError(f"--steps must be at least 1, got {o['steps']}")
     target = _target(o["target"])
     low = check_precision(target, o["precision"])
-    evaluator = _build_evaluator(o, target)
+    evaluator = build_evaluator(o, target)
     click.echo(
         f"migrating {evaluator.spec.name} to {low.value} on {evaluator.device.name} "
         f"(tolerance: loss delta <= {o['accuracy_tolerance']:g})"
@@ -110,62 +115,19 @@ def _check_outputs(*paths: Path) -> None:
             f"--out {paths[0]}: unknown policy file suffix {paths[0].suffix!r}; "
             "use .yaml, .yml or .json"
         )
-    for folder in {p.resolve().parent for p in paths}:
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=folder, prefix=".autoprec-probe-"):
-                pass
-        except OSError as err:
-            raise MigrateSetupError(f"cannot write to {folder}: {err.strerror or err}") from None
+    check_writable({p.resolve().parent for p in paths}, MigrateSetupError)
 
 
 def _target(name: str | None) -> Any:
     """The target device: ``name``, else the local GPU, else the fallback (with a message)."""
-    from autoprec.hardware import detect, get_device
-
-    if name is not None:
-        return get_device(name)
-    local = detect()
-    if local.name != "cpu":
-        return local
-    click.echo(
-        f"no GPU here: migrating for {FALLBACK_TARGET} (choose with --target); precisions are "
-        "emulated and costs predicted by the cost model",
-        err=True,
-    )
-    return get_device(FALLBACK_TARGET)
-
-
-def _build_evaluator(o: dict[str, Any], device: Any) -> Any:
-    """Model, data and evaluator, built as ``autoprec search`` builds them (fine-tuning at 32 px
-    for torchvision models; cost at --train-batch-size and --train-image-size)."""
-    from autoprec.data import load_dataset_for
-    from autoprec.evaluate import Evaluator
-    from autoprec.models import load_model
-
-    name, classes = o["model_name"], o["num_classes"]
-    spec = load_model(name, num_classes=classes)
-    image_size = o["image_size"]
-    if image_size is None and len(spec.input_shape) == 3 and spec.input_shape[-1] == 224:
-        image_size = SMALL_IMAGE
-    cost_spec = spec
-    if o["train_image_size"] is not None and len(spec.input_shape) == 3:
-        cost_spec = load_model(name, num_classes=classes, image_size=o["train_image_size"])
-    if image_size is not None:
-        spec = load_model(name, num_classes=classes, image_size=image_size)
-    data_kwargs: dict[str, Any] = {"seed": o["seed"]}
-    if o["data_dir"]:
-        data_kwargs["root"] = o["data_dir"]
-    data = load_dataset_for(spec, o["dataset"], **data_kwargs)
-    return Evaluator(
-        spec,
-        data,
-        target=device,
-        steps=o["steps"],
-        seed=o["seed"],
-        cost_spec=cost_spec,
-        cost_batch_size=o["train_batch_size"],
-    )
+    device, fell_back = resolve_target(name)
+    if fell_back:
+        click.echo(
+            f"no GPU here: migrating for {FALLBACK_TARGET} (choose with --target); precisions "
+            "are emulated and costs predicted by the cost model",
+            err=True,
+        )
+    return device
 
 
 def _print_step(step: Any) -> None:

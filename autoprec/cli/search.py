@@ -17,7 +17,6 @@ import contextlib
 import csv
 import math
 import signal
-import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -26,10 +25,16 @@ from typing import Any
 import click
 import yaml
 
+from autoprec.cli._setup import (
+    FALLBACK_TARGET,
+    SMALL_IMAGE,
+    build_evaluator,
+    check_writable,
+    resolve_target,
+)
+
 AGENT_NAMES = ("ppo", "tpe", "nsga2", "random", "greedy", "baseline")
-FALLBACK_TARGET = "h100-sxm"
 DEFAULT_STORAGE = "sqlite:///autoprec-search.db"
-SMALL_IMAGE = 32  # fine-tuning image size for torchvision models on a CPU (digits are 8x8)
 
 
 class SearchSetupError(ValueError):
@@ -241,36 +246,22 @@ class _SearchRun:
         targets = [Path(self.o["out"]).resolve().parent]
         if self.o["pareto_dir"]:
             targets.append(Path(self.o["pareto_dir"]).resolve())
-        for folder in targets:
-            try:
-                folder.mkdir(parents=True, exist_ok=True)
-                with tempfile.NamedTemporaryFile(dir=folder, prefix=".autoprec-probe-"):
-                    pass
-            except OSError as err:
-                raise SearchSetupError(f"cannot write to {folder}: {err.strerror or err}") from None
+        check_writable(targets, SearchSetupError)
 
     def _setup(self) -> tuple[Any, dict[str, Any]]:
         from autoprec.agents import Problem
-        from autoprec.data import load_dataset_for
-        from autoprec.evaluate import Evaluator
-        from autoprec.hardware import detect, get_device
-        from autoprec.models import load_model
         from autoprec.precision import parse_precision
 
         o = self.o
         if o["budget"] < 1:
             raise SearchSetupError(f"--budget must be at least 1, got {o['budget']}")
-        if o["target"] is None:
-            local = detect()
-            if local.name == "cpu":
-                o["target"] = FALLBACK_TARGET
-                self.console.print(
-                    f"no GPU here: optimising for {FALLBACK_TARGET} (choose with --target); "
-                    "precisions are emulated and costs predicted by the cost model"
-                )
-            else:
-                o["target"] = local.name
-        device = get_device(o["target"])
+        device, fell_back = resolve_target(o["target"])
+        o["target"] = device.name
+        if fell_back:
+            self.console.print(
+                f"no GPU here: optimising for {FALLBACK_TARGET} (choose with --target); "
+                "precisions are emulated and costs predicted by the cost model"
+            )
         precisions = tuple(p.strip() for p in o["precisions"].split(",") if p.strip())
         parsed = [parse_precision(p) for p in precisions]
         lacking = [p.value for p in parsed if not device.supports(p)]
@@ -280,35 +271,8 @@ class _SearchRun:
                 f"{', '.join(device.supported_precisions)}); drop it from --precisions"
             )
         with self._phase("model and data"):
-            spec = load_model(o["model_name"], num_classes=o["num_classes"])
-            image_size = o["image_size"]
-            torchvision_sized = len(spec.input_shape) == 3 and spec.input_shape[-1] == 224
-            if image_size is None and torchvision_sized:
-                image_size = SMALL_IMAGE
-            cost_size = o["train_image_size"]
-            cost_spec = spec
-            if cost_size is not None and len(spec.input_shape) == 3:
-                cost_spec = load_model(
-                    o["model_name"], num_classes=o["num_classes"], image_size=cost_size
-                )
-            if image_size is not None:
-                spec = load_model(
-                    o["model_name"], num_classes=o["num_classes"], image_size=image_size
-                )
-            data_kwargs: dict[str, Any] = {"seed": o["seed"]}
-            if o["data_dir"]:
-                data_kwargs["root"] = o["data_dir"]
-            data = load_dataset_for(spec, o["dataset"], **data_kwargs)
-        evaluator = Evaluator(
-            spec,
-            data,
-            target=device,
-            fidelity=o["fidelity"],
-            steps=o["steps"],
-            seed=o["seed"],
-            cost_spec=cost_spec,
-            cost_batch_size=o["train_batch_size"],
-        )
+            evaluator = build_evaluator(o, device, fidelity=o["fidelity"])
+        spec, cost_spec = evaluator.spec, evaluator.cost_spec
         self.console.print(
             f"{spec.name}: fine-tuning at {tuple(spec.input_shape)} on {o['dataset']}; "
             f"costs for {device.name} at batch {o['train_batch_size']}, input "
