@@ -22,6 +22,7 @@ def validate(policy, model) -> None:
     assert report.ok, report.problems
 
 
+CLI = [sys.executable, "-c", "import sys; from autoprec.cli import main; sys.exit(main())"]
 FAST = ["--model", "tinycnn", "--steps", "4", "--train-batch-size", "32"]
 
 
@@ -75,8 +76,7 @@ def test_config_file_with_flags_overriding(tmp_path, capsys):
 )
 def test_bad_input_is_one_line_and_status_2(args, message):
     proc = subprocess.run(
-        [sys.executable, "-c", "import sys; from autoprec.cli import main; sys.exit(main())"]
-        + ["search", *FAST, *args],
+        [*CLI, "search", *FAST, *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -103,26 +103,20 @@ def _complete(storage: str, name: str) -> int:
     return len(study.get_trials(deepcopy=False, states=states))
 
 
-def test_sigterm_exports_then_resume_finishes_the_budget(tmp_path):
-    storage = f"sqlite:///{tmp_path / 'study.db'}"
-    out = tmp_path / "best.yaml"
-    cmd = [
-        sys.executable,
-        "-c",
-        "import sys; from autoprec.cli import main; sys.exit(main())",
-        "search",
-        *FAST,
-        "--agent",
-        "tpe",
-        "--budget",
-        "6",
+def _tpe_search(storage: str, study: str) -> list[str]:
+    """An `autoprec search --agent tpe` process of budget 6 on ``storage``/``study``."""
+    return [*CLI, "search", *FAST, "--agent", "tpe", "--budget", "6"] + [
         "--storage",
         storage,
         "--study-name",
-        "killed",
-        "--out",
-        str(out),
+        study,
     ]
+
+
+def test_sigterm_exports_then_resume_finishes_the_budget(tmp_path):
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    out = tmp_path / "best.yaml"
+    cmd = [*_tpe_search(storage, "killed"), "--out", str(out)]
     env = {**os.environ}
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 240
@@ -150,21 +144,7 @@ def test_sigterm_exports_then_resume_finishes_the_budget(tmp_path):
 
 def test_two_workers_share_one_study(tmp_path):
     storage = f"sqlite:///{tmp_path / 'shared.db'}"
-    cmd = [
-        sys.executable,
-        "-c",
-        "import sys; from autoprec.cli import main; sys.exit(main())",
-        "search",
-        *FAST,
-        "--agent",
-        "tpe",
-        "--budget",
-        "6",
-        "--storage",
-        storage,
-        "--study-name",
-        "shared",
-    ]
+    cmd = _tpe_search(storage, "shared")
     workers = [
         subprocess.Popen(
             [*cmd, "--out", str(tmp_path / f"w{i}.yaml")],
