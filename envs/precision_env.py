@@ -13,6 +13,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
+from autoprec.defaults import DEFAULT_DATASET
 from autoprec.precision import Precision, parse_precision
 
 DEFAULT_PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "fp8")
@@ -181,7 +182,7 @@ class PrecisionEnv(gym.Env):
     def __init__(
         self,
         model: str = "tinycnn",
-        dataset: str = "digits",
+        dataset: str = DEFAULT_DATASET,
         target: str = "h100-sxm",
         fidelity: str = "short",
         precisions: Sequence[str] = DEFAULT_PRECISIONS,

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import click
 
+from autoprec.defaults import DEFAULT_DATASET
+
 
 def _heatmap(table, sens, path: Path) -> None:
     """PNG: layers (rows, in execution order) x precisions, coloured by log10(1 - cosine)."""
@@ -34,7 +36,9 @@ def _heatmap(table, sens, path: Path) -> None:
 
 @click.command()
 @click.option("--model", "model_name", required=True, help="Model name (see `autoprec models`).")
-@click.option("--dataset", default="digits", show_default=True, help="Data for the sensitivities.")
+@click.option(
+    "--dataset", default=DEFAULT_DATASET, show_default=True, help="Data for the sensitivities."
+)
 @click.option(
     "--data-dir", type=click.Path(), default=None, help="Folder of cifar10/imagefolder data."
 )

@@ -20,6 +20,7 @@ from autoprec.cli._setup import (
     check_writable,
     resolve_target,
 )
+from autoprec.defaults import DEFAULT_DATASET
 
 
 class MigrateSetupError(ValueError):
@@ -28,7 +29,7 @@ class MigrateSetupError(ValueError):
 
 @click.command()
 @click.option("--model", "model_name", required=True, help="Model name (see `autoprec models`).")
-@click.option("--dataset", default="digits", show_default=True, help="Data for fine-tuning.")
+@click.option("--dataset", default=DEFAULT_DATASET, show_default=True, help="Data for fine-tuning.")
 @click.option("--data-dir", type=click.Path(), default=None, help="Folder for cifar/imagefolder.")
 @click.option(
     "--target",

@@ -32,6 +32,7 @@ from autoprec.cli._setup import (
     check_writable,
     resolve_target,
 )
+from autoprec.defaults import DEFAULT_DATASET
 
 AGENT_NAMES = ("ppo", "tpe", "nsga2", "random", "greedy", "baseline")
 DEFAULT_STORAGE = "sqlite:///autoprec-search.db"
@@ -44,7 +45,7 @@ class SearchSetupError(ValueError):
 # --- options -------------------------------------------------------------------------------
 @click.command()
 @click.option("--model", "model_name", default=None, help="Model name (see `autoprec models`).")
-@click.option("--dataset", default="digits", show_default=True, help="Data for fine-tuning.")
+@click.option("--dataset", default=DEFAULT_DATASET, show_default=True, help="Data for fine-tuning.")
 @click.option("--data-dir", type=click.Path(), default=None, help="Folder for cifar/imagefolder.")
 @click.option(
     "--target",

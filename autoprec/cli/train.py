@@ -23,6 +23,8 @@ from typing import Any
 
 import click
 
+from autoprec.defaults import DEFAULT_DATASET
+
 MODE_NAMES = ("auto", "emulate", "native")
 FLUSH_METRICS = 500  # buffered metric values that trigger a write to MLflow
 FLUSH_SECONDS = 15.0  # ... or the time since the last write
@@ -37,7 +39,7 @@ FLUSH_SECONDS = 15.0  # ... or the time since the last write
     type=click.Path(dir_okay=False),
     help="Policy file (YAML or JSON), e.g. what `autoprec search` exported.",
 )
-@click.option("--dataset", default="digits", show_default=True, help="Training data.")
+@click.option("--dataset", default=DEFAULT_DATASET, show_default=True, help="Training data.")
 @click.option("--data-dir", type=click.Path(), default=None, help="Folder for cifar/imagefolder.")
 @click.option("--num-classes", type=int, default=10, show_default=True)
 @click.option("--image-size", type=int, default=None, help="Input image size (model default).")
