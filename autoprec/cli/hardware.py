@@ -113,7 +113,7 @@ def calibrate(device: str | None, repeats: int) -> None:
 @hardware.command()
 @click.option("--model", "model_name", required=True)
 @click.option("--device", required=True, help="Target accelerator (see `autoprec hardware list`).")
-@click.option("--batch-size", type=int, required=True)
+@click.option("--batch-size", type=click.IntRange(min=1), required=True)
 @click.option("--image-size", type=int, default=None)
 @click.option("--num-classes", type=int, default=1000, show_default=True)
 @click.option("--precision", default=None, help="One precision for every tunable layer.")
@@ -131,24 +131,29 @@ def estimate(
     optimizer,
     as_json,
 ) -> None:
-    """Predicted training-step time, throughput and memory of a model under a policy."""
+    """Predicted training-step time, throughput and memory of a model under a policy.
+
+    The layer analysis is cached by model name, batch and image size: a repeated estimate reads
+    it back without importing torch.
+    """
     if (precision is None) == (policy_file is None):
         raise click.UsageError("give exactly one of --precision and --policy")
-    from autoprec.graph import analyze
+    from autoprec.graph import analyze_named
     from autoprec.hardware import CostModel
-    from autoprec.models import load_model
     from autoprec.policy_io import load_policy
 
-    spec = load_model(model_name, num_classes=num_classes, image_size=image_size)
-    table = analyze(spec, 1, cache=True)
+    cost_model = CostModel(device)  # an unknown device or precision fails before the analysis
+    if precision is not None:
+        cost_model.rate(precision)
     policy = precision if policy_file is None else load_policy(policy_file)
-    result = CostModel(device).step(table, policy, optimizer=optimizer, batch_size=batch_size)
+    table = analyze_named(model_name, batch_size, num_classes=num_classes, image_size=image_size)
+    result = cost_model.step(table, policy, optimizer=optimizer, batch_size=batch_size)
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2))
         return
     console = _console()
     console.print(
-        f"{spec.name} on {device}, batch {batch_size}, {optimizer}: "
+        f"{table.model} on {device}, batch {batch_size}, {optimizer}: "
         f"step {result.step_time_s * 1e3:.1f} ms, {result.throughput:,.0f} samples/s, "
         f"memory {result.memory_bytes / 2**30:.2f} GiB"
     )

@@ -1,11 +1,34 @@
 """The precision inference engine: layer analysis and per-layer sensitivity.
 
+- :mod:`.table`: ``LayerTable``/``LayerRow``, plain data (no torch).
+- :mod:`.cache`: tables on disk; ``analyze_named`` reads a cached table without torch.
 - :mod:`.analyze`: ``analyze(spec, batch) -> LayerTable`` (FLOPs, bytes, position, geometry).
 - :mod:`.grade`: ``sensitivity(spec, data, formats) -> SensitivityTable``.
+
+The table and the cache load with the package; the names that need torch load on first use, so
+``from autoprec.graph.table import LayerTable`` does not import torch.
 """
 
-from autoprec.graph.analyze import FLOP_UNIT, LayerRow, LayerTable, analyze
-from autoprec.graph.grade import METHODS, SensitivityTable, sensitivity
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
+
+from autoprec.graph.cache import analyze_named
+from autoprec.graph.table import FLOP_UNIT, LayerRow, LayerTable
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autoprec.graph.analyze import analyze
+    from autoprec.graph.grade import METHODS, SensitivityTable, sensitivity
+
+_LAZY = {
+    "analyze": "autoprec.graph.analyze",
+    "METHODS": "autoprec.graph.grade",
+    "SensitivityTable": "autoprec.graph.grade",
+    "sensitivity": "autoprec.graph.grade",
+}
 
 __all__ = [
     "FLOP_UNIT",
@@ -14,5 +37,27 @@ __all__ = [
     "LayerTable",
     "SensitivityTable",
     "analyze",
+    "analyze_named",
     "sensitivity",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+class _Package(types.ModuleType):
+    """Keeps ``autoprec.graph.analyze`` the function once the submodule of that name is
+    imported (the import system sets the package attribute to the submodule)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "analyze" and isinstance(value, types.ModuleType):
+            value = value.analyze
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -10,12 +10,7 @@ and stride, and the seed rule's default precision (convolutions and matmuls may 
 from __future__ import annotations
 
 import copy
-import hashlib
-import json
 import math
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,118 +19,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
-from autoprec.cache import cache_dir, write_atomic
+from autoprec.graph.cache import read_entry, write_entry
+from autoprec.graph.table import FLOP_UNIT, TABLE_VERSION, LayerRow, LayerTable
 from autoprec.layers import model_fingerprint, tunable_layers
 
-FLOP_UNIT = "FLOPs (2 per multiply-add)"
-TABLE_VERSION = 1  # bump when what analyze() measures changes: old cached tables are ignored
-
-
-@dataclass(frozen=True)
-class LayerRow:
-    """One tunable layer. Byte counts are at fp32 for the analysed batch."""
-
-    name: str
-    type: str
-    index: int
-    first: bool
-    last: bool
-    params: int
-    forward_flops: int
-    backward_flops: int
-    input_bytes: int
-    weight_bytes: int
-    output_bytes: int
-    fan_in: int
-    fan_out: int
-    kernel_size: tuple[int, ...]
-    stride: tuple[int, ...]
-    calls: int
-    default_precision: str
-    position: float  # relative depth in [0, 1]
-    # Memory traffic (bytes read + written, at fp32) and kernel count of every op that is not a
-    # matmul/convolution from this layer's start to the next tunable layer's: norms,
-    # activations, pooling, residual adds, bias and softmax work. Backward is the measured
-    # backward total shared out in proportion to forward traffic. -1: not measured.
-    other_bytes_forward: int = -1
-    other_bytes_backward: int = -1
-    other_ops_forward: int = -1
-    other_ops_backward: int = -1
-
-    @property
-    def flops(self) -> int:
-        """Forward plus backward FLOPs."""
-        return self.forward_flops + self.backward_flops
-
-
-@dataclass(frozen=True)
-class LayerTable:
-    """Rows in execution order plus what the analysis ran on."""
-
-    model: str
-    fingerprint: str
-    batch_size: int
-    input_shape: tuple[int, ...]
-    rows: tuple[LayerRow, ...]
-    total_forward_flops: int
-    flop_unit: str = FLOP_UNIT
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __iter__(self) -> Iterator[LayerRow]:
-        return iter(self.rows)
-
-    def __getitem__(self, name: str) -> LayerRow:
-        for row in self.rows:
-            if row.name == name:
-                return row
-        raise KeyError(name)
-
-    @property
-    def names(self) -> list[str]:
-        return [r.name for r in self.rows]
-
-    def to_dicts(self) -> list[dict[str, Any]]:
-        """Plain dicts (JSON-ready), one per row."""
-        out = []
-        for row in self.rows:
-            d = asdict(row)
-            d["kernel_size"], d["stride"] = list(row.kernel_size), list(row.stride)
-            out.append(d)
-        return out
-
-    @classmethod
-    def from_dict(cls, doc: dict[str, Any]) -> LayerTable:
-        """The inverse of ``json.loads(table.to_json())``."""
-        rows = []
-        for d in doc["layers"]:
-            d = dict(d, kernel_size=tuple(d["kernel_size"]), stride=tuple(d["stride"]))
-            rows.append(LayerRow(**d))
-        return cls(
-            model=doc["model"],
-            fingerprint=doc["fingerprint"],
-            batch_size=int(doc["batch_size"]),
-            input_shape=tuple(doc["input_shape"]),
-            rows=tuple(rows),
-            total_forward_flops=int(doc["total_forward_flops"]),
-            flop_unit=doc.get("flop_unit", FLOP_UNIT),
-        )
-
-    def to_json(self, path: str | Path | None = None) -> str:
-        doc = {
-            "model": self.model,
-            "fingerprint": self.fingerprint,
-            "batch_size": self.batch_size,
-            "input_shape": list(self.input_shape),
-            "flop_unit": self.flop_unit,
-            "total_forward_flops": self.total_forward_flops,
-            "layers": self.to_dicts(),
-        }
-        text = json.dumps(doc, indent=2)
-        if path is not None:
-            Path(path).write_text(text + "\n")
-        return text
+__all__ = ["FLOP_UNIT", "LayerRow", "LayerTable", "analyze"]  # the table's names re-exported
 
 
 def _seed_rule(module: nn.Module) -> str:
@@ -251,8 +139,8 @@ def analyze(
     Returns:
         The :class:`LayerTable`; FLOPs are for that batch.
     """
-    x, y = spec.example_batch(batch) if isinstance(batch, int) else batch
-    path = None
+    x, y = _example_batch(spec, batch) if isinstance(batch, int) else batch
+    key = None
     if cache:
         key = [
             TABLE_VERSION,
@@ -261,18 +149,23 @@ def analyze(
             [list(x.shape), str(x.dtype), list(y.shape), str(y.dtype)],
             torch.__version__,
         ]
-        digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:24]
-        path = cache_dir() / "analysis" / f"{digest}.json"
-        if path.exists():
-            try:
-                return LayerTable.from_dict(json.loads(path.read_text()))
-            except (ValueError, KeyError, TypeError):
-                pass  # an unreadable cache entry is recomputed and replaced
+        cached = read_entry(key)  # None also for a damaged entry: recomputed and replaced
+        if cached is not None:
+            return cached
     table = _analyze(spec, x, y)
-    if path is not None:
-        text = table.to_json()
-        write_atomic(path, lambda fh: fh.write(text))
+    if key is not None:
+        write_entry(key, table)
     return table
+
+
+def _example_batch(spec: Any, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``spec.example_batch(batch)`` drawn on the meta device (only shapes and dtypes are used,
+    and drawing a large batch of random images takes a while); on the CPU if it cannot be."""
+    try:
+        with torch.device("meta"):
+            return spec.example_batch(batch)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return spec.example_batch(batch)
 
 
 def _analyze(spec: Any, x: torch.Tensor, y: torch.Tensor) -> LayerTable:

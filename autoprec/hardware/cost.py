@@ -16,8 +16,12 @@ Per tunable layer and pass::
 - Forward bytes = input + weight read, output written, at the layer's format: fp32 bytes times
   ``storage_bytes(precision.forward_format) / 4`` (tf32 stores 4 bytes). Backward moves about
   twice the forward bytes (input gradient and weight gradient).
-- ``batch_size`` scales FLOPs and activation bytes by ``batch_size / table.batch_size``; weights
-  do not scale.
+- ``batch_size`` scales FLOPs, activation bytes and the element-wise traffic by
+  ``batch_size / table.batch_size``; weights do not scale. The element-wise traffic includes a
+  small part that does not grow with the batch (normalisation parameters and statistics), so a
+  table measured at the batch being estimated (``autoprec.graph.analyze_named``, which
+  ``autoprec hardware estimate`` uses) is exact where scaling up from batch 1 slightly
+  overcounts.
 
 Around the layers (all memory-bound, ``bytes / (bandwidth * efficiency.bandwidth)`` plus one
 kernel overhead per kernel):
@@ -57,7 +61,6 @@ Example:
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -68,7 +71,7 @@ from autoprec.hardware.database import DeviceSpec, get_device
 from autoprec.precision import PRECISION_NAMES, Precision, parse_precision
 
 if TYPE_CHECKING:
-    from autoprec.graph.analyze import LayerRow, LayerTable
+    from autoprec.graph.table import LayerRow, LayerTable
     from autoprec.policy import PrecisionPolicy
 
 #: Default fraction of dense peak reached by a layer's matrix work. Round figures, not
@@ -367,12 +370,17 @@ def _precision_lookup(policy: Any) -> Any:
     )
 
 
-@functools.cache
+#: Bytes one value of each format occupies (tf32 lives in a 32-bit container), as in
+#: autoprec.kernels' format registry (a test checks they agree); kept here so that costing a
+#: cached table needs no torch.
+STORAGE_BYTES: Mapping[str, int] = MappingProxyType(
+    {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
+)
+
+
 def _ratio(precision: Precision) -> float:
     """Bytes per element at the layer's forward format, relative to fp32's 4."""
-    from autoprec.kernels.formats import get_format
-
-    return get_format(precision.forward_format).storage_bytes / 4
+    return STORAGE_BYTES[precision.forward_format] / 4
 
 
 def _storage(precision: Precision) -> str:

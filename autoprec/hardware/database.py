@@ -34,6 +34,7 @@ _OPTIONAL = ("aliases", "logical_devices", "local_estimate")
 _EXPLANATIONS = ("supported_precisions", "preferred")  # optional, non-figure source keys
 _SLUG = re.compile(r"^[a-z0-9][a-z0-9-]*$")
 _PREFIXES = ("nvidia", "tesla", "amd", "instinct", "intelr", "intel")
+_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's parser: ~10x faster
 
 
 class UnknownDeviceError(ValueError):
@@ -259,7 +260,7 @@ def _database_text() -> str:
 def _database() -> tuple[tuple[DeviceSpec, ...], dict[str, DeviceSpec]]:
     """Parse and check ``devices.yaml`` once: the devices in file order, and the lookup index."""
     try:
-        data = yaml.safe_load(_database_text())
+        data = yaml.load(_database_text(), Loader=_YAML_LOADER)
     except yaml.YAMLError as exc:
         raise DeviceDatabaseError(f"devices.yaml is not valid YAML: {exc}") from None
     entries = data.get("devices") if isinstance(data, Mapping) else None

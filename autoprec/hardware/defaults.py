@@ -18,7 +18,7 @@ from autoprec.policy import LossScalingConfig, PrecisionPolicy, TargetInfo
 from autoprec.precision import Precision, parse_precision
 
 if TYPE_CHECKING:
-    from autoprec.graph.analyze import LayerTable
+    from autoprec.graph.table import LayerTable
 
 
 def _loss_scaling(spec: DeviceSpec, low: Precision) -> LossScalingConfig | None:

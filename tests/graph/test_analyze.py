@@ -125,4 +125,4 @@ def test_cached_table_is_the_same_and_keyed_by_shape(tmp_path, monkeypatch):
     assert len(list((tmp_path / "analysis").glob("*.json"))) == 2
     files[0].write_text("{not json")  # a damaged entry is recomputed and replaced
     assert analyze(spec, 4, cache=True) == fresh
-    assert json.loads(files[0].read_text())["batch_size"] == 4
+    assert json.loads(files[0].read_text())["table"]["batch_size"] == 4

@@ -13,7 +13,7 @@ import pytest
 
 from autoprec.graph import LayerRow, analyze
 from autoprec.hardware import CostModel, Efficiency, StepEstimate, default_policy, get_device
-from autoprec.hardware.cost import CostModelError
+from autoprec.hardware.cost import STORAGE_BYTES, CostModelError
 from autoprec.hardware.defaults import amp_policy
 from autoprec.models import load_model
 from autoprec.policy import LossScalingConfig, PrecisionPolicy
@@ -223,3 +223,11 @@ def test_amp_policy():
     assert amp_policy(V100).loss_scaling == LossScalingConfig()
     with pytest.raises(ValueError, match="cannot run fp8"):
         amp_policy(A100, "fp8")
+
+
+def test_storage_bytes_match_the_format_registry():
+    from autoprec.kernels import get_format
+
+    formats = {f for p in Precision for f in (p.forward_format, p.backward_format)}
+    assert formats == set(STORAGE_BYTES)
+    assert {f: get_format(f).storage_bytes for f in formats} == dict(STORAGE_BYTES)

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
 from autoprec.cli import main
+from autoprec.graph import analyze
+from autoprec.graph.cache import entry_path, named_key, read_entry
+from autoprec.hardware import CostModel
 from autoprec.hardware.calibration import calibrate, calibration_path, load_calibration
 
 
@@ -43,24 +49,62 @@ def test_list_show_detect(capsys):
     assert capsys.readouterr().out.startswith("cpu:")
 
 
+def load_model_resnet50():
+    from autoprec.models import load_model
+
+    return load_model("resnet50", num_classes=1000)
+
+
+ESTIMATE = ["hardware", "estimate", "--model", "resnet50", "--device", "h100-sxm"]
+ESTIMATE += ["--batch-size", "256", "--precision", "bf16", "--json"]
+
+
 def test_estimate_json_keys(capsys):
-    argv = [
-        "hardware",
-        "estimate",
-        "--model",
-        "resnet50",
-        "--device",
-        "h100-sxm",
-        "--batch-size",
-        "256",
-        "--precision",
-        "bf16",
-        "--json",
-    ]
-    assert main(argv) == 0
+    assert main(ESTIMATE) == 0
     doc = json.loads(capsys.readouterr().out)
     assert {"step_time_s", "throughput", "memory_bytes"} <= set(doc)
     assert doc["throughput"] == pytest.approx(256 / doc["step_time_s"])
+
+
+def test_estimate_is_the_cost_model_on_the_analysis_at_that_batch(tmp_path, monkeypatch, capsys):
+    """Empty cache (the model is built and analysed), then a fresh process on the cached
+    table: bit-identical output, and the second never imports torch."""
+    monkeypatch.setenv("AUTOPREC_CACHE_DIR", str(tmp_path))
+    assert main(ESTIMATE) == 0
+    slow = capsys.readouterr().out
+    table = analyze(load_model_resnet50(), 256)
+    oracle = CostModel("h100-sxm").step(table, "bf16", batch_size=256)
+    assert slow == json.dumps(oracle.to_dict(), indent=2) + "\n"
+    code = (
+        "import sys\nfrom autoprec.cli import main\n"
+        f"status = main({ESTIMATE!r})\n"
+        "sys.exit(3 if 'torch' in sys.modules else status)\n"
+    )
+    env = {**os.environ, "AUTOPREC_CACHE_DIR": str(tmp_path)}
+    fast = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert fast.returncode == 0, f"status {fast.returncode} (3: torch imported) {fast.stderr}"
+    assert fast.stdout == slow
+
+
+def test_estimate_falls_back_on_a_damaged_or_stale_entry(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("AUTOPREC_CACHE_DIR", str(tmp_path))
+    assert main(ESTIMATE) == 0
+    expected = capsys.readouterr().out
+    key = named_key("resnet50", 256, 1000, None)
+    path = entry_path(key)
+    doc = json.loads(path.read_text())
+    for row in doc["table"]["layers"]:  # a table that would change the estimate
+        row["forward_flops"] *= 3
+    changed = json.dumps(doc)
+    stale = json.dumps({**doc, "key": [*key[:-1], "sources of another autoprec"]})
+    for entry, hit in ((changed, True), (stale, False), ("{cut short", False)):
+        path.write_text(entry)
+        assert main(ESTIMATE) == 0
+        assert (capsys.readouterr().out != expected) is hit
+        if not hit:  # recomputed and stored again
+            assert read_entry(key) == analyze(load_model_resnet50(), 256)
 
 
 @pytest.mark.parametrize(
