@@ -58,6 +58,7 @@ def _summary(d) -> dict:
         "peak_tflops": dict(d.peak_tflops),
         "memory_bandwidth_gbs": d.memory_bandwidth_gbs,
         "memory_gb": d.memory_gb,
+        "matmul_tflops": dict(d.matmul_tflops),
         "supported_precisions": list(d.supported_precisions),
         "preferred": {
             "low": d.preferred.low,
@@ -119,6 +120,13 @@ def calibrate(device: str | None, repeats: int) -> None:
 @click.option("--precision", default=None, help="One precision for every tunable layer.")
 @click.option("--policy", "policy_file", type=click.Path(), default=None, help="A policy file.")
 @click.option("--optimizer", type=click.Choice(["sgd", "adam"]), default="sgd", show_default=True)
+@click.option(
+    "--memory-format",
+    type=click.Choice(["contiguous", "channels_last"]),
+    default="contiguous",
+    show_default=True,
+    help="Activation layout: contiguous (NCHW, PyTorch's default) or channels_last (NHWC).",
+)
 @click.option("--json", "as_json", is_flag=True)
 def estimate(
     model_name,
@@ -129,6 +137,7 @@ def estimate(
     precision,
     policy_file,
     optimizer,
+    memory_format,
     as_json,
 ) -> None:
     """Predicted training-step time, throughput and memory of a model under a policy.
@@ -147,13 +156,15 @@ def estimate(
         cost_model.rate(precision)
     policy = precision if policy_file is None else load_policy(policy_file)
     table = analyze_named(model_name, batch_size, num_classes=num_classes, image_size=image_size)
-    result = cost_model.step(table, policy, optimizer=optimizer, batch_size=batch_size)
+    result = cost_model.step(
+        table, policy, optimizer=optimizer, batch_size=batch_size, memory_format=memory_format
+    )
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2))
         return
     console = _console()
     console.print(
-        f"{table.model} on {device}, batch {batch_size}, {optimizer}: "
+        f"{table.model} on {device}, batch {batch_size}, {optimizer}, {memory_format}: "
         f"step {result.step_time_s * 1e3:.1f} ms, {result.throughput:,.0f} samples/s, "
         f"memory {result.memory_bytes / 2**30:.2f} GiB"
     )

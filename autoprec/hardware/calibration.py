@@ -155,18 +155,21 @@ def load_calibration(device_name: str) -> Calibration | None:
 def load_efficiency(device_name: str):
     """Efficiency factors from a stored calibration (None without one), for the cost model.
 
-    Precisions the calibration could not measure keep the cost model's defaults.
+    Precisions the calibration could not measure (fp8, tf32 on a CPU) take their default scaled
+    as the nearest wider measured precision is (``autoprec.hardware.efficiency.fill_compute``).
     """
     calibration = load_calibration(device_name)
     if calibration is None:
         return None
-    from autoprec.hardware.cost import Efficiency
+    from autoprec.hardware.efficiency import Efficiency, fill_compute
 
+    try:
+        supported = get_device(device_name).supported_precisions
+    except ValueError:  # a calibration of a device the database no longer knows
+        supported = tuple(calibration.compute_efficiency)
     default = Efficiency()
-    compute = dict(default.compute)
-    compute.update(calibration.compute_efficiency)
     return Efficiency(
-        compute=compute,
+        compute=fill_compute(calibration.compute_efficiency, supported),
         bandwidth=calibration.bandwidth_efficiency,
         kernel_overhead_s=default.kernel_overhead_s,
     )

@@ -9,7 +9,9 @@ Per tunable layer and pass::
     time = max(flops / rate(precision), bytes / (bandwidth * efficiency.bandwidth))
            + kernel_overhead_s * kernels            # 1 kernel forward, 2 backward
 
-- ``rate(precision) = peak_flops(precision) * efficiency.compute[precision]``; a narrower format
+- ``rate(precision) = peak_flops(precision) * efficiency.compute[precision]`` (efficiencies from a
+  calibration, else the device's published matmul measurements, else documented defaults: see
+  :mod:`autoprec.hardware.efficiency`); a narrower format
   is assumed never slower than a wider one the device runs (its rate is raised to theirs where
   the datasheet or efficiencies would say otherwise; a supported but unrated format gets the
   rate of the nearest wider rated one). fp32 layers use the fp32 rate (no tf32).
@@ -38,6 +40,18 @@ kernel overhead per kernel):
   tensors move at the layer's output format, as under torch.autocast (a bf16 convolution hands
   bf16 activations to its batch norm). Without that measurement, 3 passes (read + write) over
   the layer's output forward and twice that backward are assumed.
+- Layout transposes (``layout_s``), with ``memory_format="contiguous"`` (NCHW, PyTorch's
+  default) on NVIDIA devices: a convolution that runs on tensor cores (tf32, bf16, fp16, fp8;
+  not fp32, and not a depthwise convolution, one input channel per group) needs channels-last
+  (NHWC) operands, so cuDNN transposes each activation it reads ("The cuDNN library may use
+  padding, folding, and NCHW-to-NHWC transformations to call the Tensor Core operations",
+  cuDNN developer guide, Legacy API, Tensor Core operations). Outputs are written in NCHW by
+  the convolution itself. Forward transposes the input, the data gradient transposes the output
+  gradient, the weight gradient the input and the output gradient again: a read and a write of
+  ``2 x (input + output)`` bytes at the layer's format, 4 kernels. Where a CUDA-core kernel on
+  the NCHW data at the fp32 rate would be faster than the tensor-core kernel plus transposes,
+  that is taken instead (what cuDNN's autotuner, ``torch.backends.cudnn.benchmark``, would
+  pick). ``"channels_last"`` tensors need no transposes.
 - Optimizer (``optimizer_s``): SGD with momentum moves ~4 x 4 bytes per parameter, Adam(W)
   ~7 x 4 bytes, one kernel per tunable layer. Only the tunable layers' parameters are counted
   (normalisation parameters are small).
@@ -63,79 +77,24 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from autoprec.hardware.database import DeviceSpec, get_device
+from autoprec.hardware.efficiency import CostModelError, Efficiency, default_efficiency
 from autoprec.precision import PRECISION_NAMES, Precision, parse_precision
 
 if TYPE_CHECKING:
     from autoprec.graph.table import LayerRow, LayerTable
     from autoprec.policy import PrecisionPolicy
 
-#: Default fraction of dense peak reached by a layer's matrix work. Round figures, not
-#: measurements: large GEMMs reach ~70-90% of peak in NVIDIA's cuBLAS/matmul performance guides,
-#: whole training steps reach ~40-60% model-FLOPs utilisation in MLPerf Training submissions; we
-#: sit between the two. fp8 is lower because real fp8 speedups over bf16 (Transformer Engine
-#: material) are ~1.3-1.5x rather than 2x. Calibrate on the target for real numbers.
-DEFAULT_COMPUTE_EFFICIENCY: Mapping[str, float] = MappingProxyType(
-    {"fp32": 0.7, "tf32": 0.6, "bf16": 0.6, "fp16": 0.6, "fp8": 0.5}
-)
 OPTIMIZER_BYTES_PER_PARAM = {"sgd": 4 * 4, "adam": 7 * 4, "adamw": 7 * 4}
 OPTIMIZER_STATE_BYTES_PER_PARAM = {"sgd": 4, "adam": 8, "adamw": 8}
 ELEMENTWISE_PASSES = 3  # memory passes over each layer's output, forward (backward: twice)
 _WIDE = ("fp32", "tf32")  # stored as 4-byte fp32
-
-
-class CostModelError(ValueError):
-    """The cost model cannot estimate this device, precision or setting."""
-
-
-@dataclass(frozen=True)
-class Efficiency:
-    """Fraction of peak actually reached.
-
-    Args:
-        compute: achieved / dense peak FLOP/s per precision; precisions not given take
-            :data:`DEFAULT_COMPUTE_EFFICIENCY`.
-        bandwidth: achieved / peak memory bandwidth (0.8: STREAM-like copies reach ~80-90% of
-            HBM peak).
-        kernel_overhead_s: fixed launch and dispatch cost per kernel (~5 us for a CUDA launch
-            plus PyTorch dispatch).
-    """
-
-    compute: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_COMPUTE_EFFICIENCY))
-    bandwidth: float = 0.8
-    kernel_overhead_s: float = 5e-6
-
-    def __post_init__(self) -> None:
-        merged = dict(DEFAULT_COMPUTE_EFFICIENCY)
-        for key, value in dict(self.compute).items():
-            merged[parse_precision(key).value] = _fraction(value, f"efficiency.compute.{key}")
-        object.__setattr__(self, "compute", merged)
-        object.__setattr__(self, "bandwidth", _fraction(self.bandwidth, "efficiency.bandwidth"))
-        overhead = self.kernel_overhead_s
-        if not _is_number(overhead) or not math.isfinite(overhead) or overhead < 0:
-            raise CostModelError(f"efficiency.kernel_overhead_s must be >= 0, got {overhead!r}")
-
-    def __hash__(self) -> int:
-        return hash((tuple(sorted(self.compute.items())), self.bandwidth, self.kernel_overhead_s))
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready fields."""
-        return {
-            "compute": dict(self.compute),
-            "bandwidth": self.bandwidth,
-            "kernel_overhead_s": self.kernel_overhead_s,
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Efficiency:
-        """Inverse of :meth:`to_dict` (missing fields take their defaults)."""
-        return cls(
-            **{k: data[k] for k in ("compute", "bandwidth", "kernel_overhead_s") if k in data}
-        )
+MEMORY_FORMATS = ("contiguous", "channels_last")  # names as torch.memory_format's
+TRANSPOSE_PASSES = 2  # forward input + both gradients' operands: 2 x (input + output), r + w
 
 
 @dataclass(frozen=True)
@@ -161,6 +120,7 @@ class StepEstimate:
     optimizer_s: float
     cast_s: float
     other_s: float
+    layout_s: float
     throughput: float
     memory_bytes: int
     memory: Mapping[str, int]
@@ -179,8 +139,9 @@ class CostModel:
 
     Args:
         device: a :class:`DeviceSpec` or a name from the database.
-        efficiency: fractions of peak; None loads the device's calibration if there is one
-            (``autoprec.hardware.calibration.load_efficiency``), else the documented defaults.
+        efficiency: fractions of peak; None takes
+            :func:`autoprec.hardware.efficiency.default_efficiency`: the device's calibration
+            if there is one, else its published matmul measurements, else the defaults.
 
     Raises:
         CostModelError: the device has no known memory bandwidth (an undetected GPU).
@@ -193,7 +154,7 @@ class CostModel:
                 f"device {self.device.name!r} has no known memory bandwidth; name a device "
                 "from the database (autoprec.hardware.list_devices())"
             )
-        self.efficiency = efficiency if efficiency is not None else _calibrated(self.device.name)
+        self.efficiency = efficiency if efficiency is not None else default_efficiency(self.device)
         self._bandwidth = self.device.memory_bandwidth * self.efficiency.bandwidth
         self._rates: dict[str, float] = {}
 
@@ -234,7 +195,12 @@ class CostModel:
         return nbytes / self._bandwidth + kernels * self.efficiency.kernel_overhead_s
 
     def layer_cost(
-        self, row: LayerRow, precision: str | Precision, scale: float = 1.0
+        self,
+        row: LayerRow,
+        precision: str | Precision,
+        scale: float = 1.0,
+        *,
+        rate: float | None = None,
     ) -> LayerCost:
         """Forward and backward seconds of one layer's matrix work.
 
@@ -242,9 +208,10 @@ class CostModel:
             row: the layer's row from :func:`~autoprec.graph.analyze`.
             precision: the layer's precision.
             scale: ``batch_size / table.batch_size`` (FLOPs and activations scale, weights not).
+            rate: FLOP/s of the kernels; default :meth:`rate` of ``precision``.
         """
         p = parse_precision(precision)
-        rate = self.rate(p, layer=row.name)
+        rate = self.rate(p, layer=row.name) if rate is None else rate
         ratio = _ratio(p)
         fwd_bytes = ((row.input_bytes + row.output_bytes) * scale + row.weight_bytes) * ratio
         overhead = self.efficiency.kernel_overhead_s
@@ -264,6 +231,7 @@ class CostModel:
         policy: PrecisionPolicy | Mapping[str, str | Precision] | str | Precision,
         optimizer: str = "sgd",
         batch_size: int | None = None,
+        memory_format: str = "contiguous",
     ) -> StepEstimate:
         """Estimate one training step of the analysed model under ``policy``.
 
@@ -273,10 +241,13 @@ class CostModel:
                 name are fp32), or one precision for every layer.
             optimizer: ``"sgd"`` (with momentum), ``"adam"`` or ``"adamw"``.
             batch_size: samples per step; None keeps the table's batch size.
+            memory_format: how activations are laid out, ``"contiguous"`` (NCHW, PyTorch's
+                default) or ``"channels_last"`` (``model.to(memory_format=torch.channels_last)``);
+                on NVIDIA devices NCHW tensor-core convolutions pay layout transposes.
 
         Raises:
-            CostModelError: unknown optimizer, bad batch size, or a precision the device
-                cannot run.
+            CostModelError: unknown optimizer or memory format, bad batch size, or a precision
+                the device cannot run.
         """
         opt = optimizer.lower()
         if opt not in OPTIMIZER_BYTES_PER_PARAM:
@@ -287,16 +258,32 @@ class CostModel:
         batch = table.batch_size if batch_size is None else batch_size
         if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
             raise CostModelError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        if memory_format not in MEMORY_FORMATS:
+            raise CostModelError(
+                f"unknown memory format {memory_format!r}; expected one of "
+                f"{', '.join(MEMORY_FORMATS)}"
+            )
+        transposes = memory_format == "contiguous" and self.device.vendor == "nvidia"
         scale = batch / table.batch_size
         precision_for = _precision_lookup(policy)
-        layers, cast_s, other_s, params = [], 0.0, 0.0, 0
+        layers, cast_s, other_s, layout_s, params = [], 0.0, 0.0, 0.0, 0
         low_weights = activations = 0.0
         previous = Precision.FP32  # the model input
         for row in table.rows:
             p = precision_for(row.name)
-            layers.append(self.layer_cost(row, p, scale))
+            cost = self.layer_cost(row, p, scale)
             ratio = _ratio(p)
             in_bytes, out_bytes = row.input_bytes * scale, row.output_bytes * scale
+            if transposes and _tensor_core_conv(row, p):  # NCHW <-> NHWC, see the docstring
+                moved = TRANSPOSE_PASSES * 2 * (in_bytes + out_bytes) * ratio
+                transpose_s = self._memory_s(moved, 4)
+                # cuDNN's autotuner may instead pick a CUDA-core kernel on the NCHW data
+                native = self.layer_cost(row, p, scale, rate=self.rate(Precision.FP32))
+                if _seconds(native) < _seconds(cost) + transpose_s:
+                    cost = native
+                else:
+                    layout_s += transpose_s
+            layers.append(cost)
             if _storage(p) != _storage(previous):  # activation cast, forward and backward
                 cast_s += 2 * self._memory_s(in_bytes * (_ratio(previous) + ratio))
             if ratio < 1:  # weight copy at the low format, once per step
@@ -304,7 +291,6 @@ class CostModel:
                 low_weights += row.params * ratio * 4
             if p is Precision.FP8:  # amax of input and weight
                 cast_s += self._memory_s(in_bytes + row.weight_bytes)
-            passes = ELEMENTWISE_PASSES
             if row.other_bytes_forward >= 0:  # measured traffic of the non-matmul ops
                 moved = (row.other_bytes_forward + row.other_bytes_backward) * scale * ratio
                 kernels = row.other_ops_forward + row.other_ops_backward
@@ -320,7 +306,7 @@ class CostModel:
         optimizer_s = self._memory_s(OPTIMIZER_BYTES_PER_PARAM[opt] * params, len(table.rows))
         forward_s = sum(c.forward_s for c in layers)
         backward_s = sum(c.backward_s for c in layers)
-        step_s = forward_s + backward_s + optimizer_s + cast_s + other_s
+        step_s = forward_s + backward_s + optimizer_s + cast_s + other_s + layout_s
         memory = {
             "master_weights": 4 * params,
             "low_precision_weights": round(low_weights),
@@ -337,6 +323,7 @@ class CostModel:
             optimizer_s=optimizer_s,
             cast_s=cast_s,
             other_s=other_s,
+            layout_s=layout_s,
             throughput=batch / step_s,
             memory_bytes=sum(memory.values()),
             memory=memory,
@@ -344,14 +331,15 @@ class CostModel:
         )
 
 
-def _calibrated(device: str) -> Efficiency:
-    """The device's calibrated efficiency if a calibration exists, else the defaults."""
-    try:
-        from autoprec.hardware.calibration import load_efficiency
-    except ImportError:
-        return Efficiency()
-    found = load_efficiency(device)
-    return found if found is not None else Efficiency()
+def _seconds(cost: LayerCost) -> float:
+    return cost.forward_s + cost.backward_s
+
+
+def _tensor_core_conv(row: LayerRow, precision: Precision) -> bool:
+    """A convolution whose matrix work runs on tensor cores: below fp32 and not depthwise."""
+    if precision is Precision.FP32 or not row.type.startswith("Conv") or not row.kernel_size:
+        return False
+    return row.fan_in > math.prod(row.kernel_size)  # more than one input channel per group
 
 
 def _precision_lookup(policy: Any) -> Any:
@@ -385,13 +373,3 @@ def _ratio(precision: Precision) -> float:
 
 def _storage(precision: Precision) -> str:
     return "fp32" if precision.value in _WIDE else precision.forward_format
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _fraction(value: object, what: str) -> float:
-    if not _is_number(value) or not math.isfinite(value) or value <= 0:
-        raise CostModelError(f"{what} must be a fraction of peak > 0, e.g. 0.6; got {value!r}")
-    return float(value)

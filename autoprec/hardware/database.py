@@ -19,7 +19,7 @@ import os
 import re
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from types import MappingProxyType
 from typing import Any
@@ -30,7 +30,7 @@ from autoprec.precision import PRECISION_NAMES, Precision, parse_precision
 
 _REQUIRED = ("name", "vendor", "full_name", "supported_precisions", "peak_tflops")
 _REQUIRED += ("memory_bandwidth_gbs", "memory_gb", "preferred", "sources")
-_OPTIONAL = ("aliases", "logical_devices", "local_estimate")
+_OPTIONAL = ("aliases", "logical_devices", "local_estimate", "matmul_tflops")
 _EXPLANATIONS = ("supported_precisions", "preferred")  # optional, non-figure source keys
 _SLUG = re.compile(r"^[a-z0-9][a-z0-9-]*$")
 _PREFIXES = ("nvidia", "tesla", "amd", "instinct", "intelr", "intel")
@@ -90,9 +90,13 @@ class DeviceSpec:
         memory_gb: Memory capacity in GB.
         supported_precisions: Precisions the hardware runs, in fp32, tf32, bf16, fp16, fp8 order.
         preferred: The device's usual mixed-precision rule.
-        sources: Source of every figure (``peak_tflops.<precision>``, ``memory_bandwidth_gbs``,
-            ``memory_gb``), optionally the reasoning behind ``supported_precisions``/``preferred``.
+        sources: Source of every figure (``peak_tflops.<precision>``, ``matmul_tflops.<precision>``,
+            ``memory_bandwidth_gbs``, ``memory_gb``), optionally the reasoning behind
+            ``supported_precisions``/``preferred``.
         logical_devices: torch devices per package (2 for MI250X); the figures are per package.
+        matmul_tflops: Published measurements of the TFLOP/s a large square ``torch.mm``
+            reaches on this device, per precision (the quantity ``autoprec hardware calibrate``
+            measures); the cost model's default efficiency is this over the peak rate.
     """
 
     name: str
@@ -106,6 +110,7 @@ class DeviceSpec:
     preferred: PreferredMode
     sources: Mapping[str, str]
     logical_devices: int = 1
+    matmul_tflops: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         supported = [parse_precision(p).value for p in self.supported_precisions]
@@ -123,7 +128,14 @@ class DeviceSpec:
         _positive(self.memory_gb, "memory_gb")
         n = self.logical_devices
         _require(isinstance(n, int) and n >= 1, f"logical_devices must be an int >= 1, got {n!r}")
+        measured = {parse_precision(p).value: v for p, v in self.matmul_tflops.items()}
+        for p, v in measured.items():
+            v = measured[p] = _positive(v, f"matmul_tflops.{p}")
+            peak = rates.get(p)
+            _require(peak is not None, f"matmul_tflops has {p}, which has no peak_tflops")
+            _require(v <= peak, f"matmul_tflops.{p} = {v:g} exceeds peak_tflops.{p} = {peak:g}")
         figures = {"memory_bandwidth_gbs", "memory_gb", *(f"peak_tflops.{p}" for p in rates)}
+        figures |= {f"matmul_tflops.{p}" for p in measured}
         for key in sorted(figures):
             has_source = str(self.sources.get(key) or "").strip() != ""
             _require(has_source, f"{key} has no source; add sources.{key}")
@@ -134,6 +146,8 @@ class DeviceSpec:
         freeze(self, "supported_precisions", tuple(sorted(supported, key=rank)))
         ordered = {p: rates[p] for p in sorted(rates, key=rank)}
         freeze(self, "peak_tflops", MappingProxyType(ordered))
+        measured = {p: measured[p] for p in sorted(measured, key=rank)}
+        freeze(self, "matmul_tflops", MappingProxyType(measured))
         freeze(self, "sources", MappingProxyType({k: str(v) for k, v in self.sources.items()}))
         freeze(self, "aliases", tuple(self.aliases))
 
@@ -220,14 +234,14 @@ def _parse_entry(raw: Any) -> DeviceSpec:
     _require(
         isinstance(name, str) and bool(_SLUG.match(name)), f"bad slug {name!r}, e.g. 'h100-sxm'"
     )
-    for field in ("vendor", "full_name"):
-        _require(isinstance(raw[field], str) and raw[field].strip() != "", f"{field} is empty")
+    for key in ("vendor", "full_name"):
+        _require(isinstance(raw[key], str) and raw[key].strip() != "", f"{key} is empty")
     aliases, supported = raw.get("aliases") or [], raw["supported_precisions"]
     _require(isinstance(aliases, list) and all(isinstance(a, str) for a in aliases), "bad aliases")
     _require(isinstance(supported, list), f"supported_precisions must be a list, got {supported!r}")
     rates, preferred, sources = raw["peak_tflops"], raw["preferred"], raw["sources"]
-    for field, value in (("peak_tflops", rates), ("preferred", preferred), ("sources", sources)):
-        _require(isinstance(value, Mapping), f"{field} must be a mapping, got {value!r}")
+    for key, value in (("peak_tflops", rates), ("preferred", preferred), ("sources", sources)):
+        _mapping(value, key)
     sources = {str(k): str(v) for k, v in sources.items() if v is not None}
     peak = {p: _local_value(raw, p, sources) if v == "local" else v for p, v in rates.items()}
     memory_gb = raw["memory_gb"]
@@ -249,7 +263,13 @@ def _parse_entry(raw: Any) -> DeviceSpec:
         preferred=PreferredMode(**preferred),
         sources=sources,
         logical_devices=raw.get("logical_devices", 1),
+        matmul_tflops=_mapping(raw.get("matmul_tflops") or {}, "matmul_tflops"),
     )
+
+
+def _mapping(value: Any, what: str) -> Mapping[str, Any]:
+    _require(isinstance(value, Mapping), f"{what} must be a mapping, got {value!r}")
+    return value
 
 
 def _database_text() -> str:

@@ -12,7 +12,14 @@ import types
 import pytest
 
 from autoprec.graph import LayerRow, analyze
-from autoprec.hardware import CostModel, Efficiency, StepEstimate, default_policy, get_device
+from autoprec.hardware import (
+    CostModel,
+    Efficiency,
+    StepEstimate,
+    default_policy,
+    get_device,
+    list_devices,
+)
 from autoprec.hardware.cost import STORAGE_BYTES, CostModelError
 from autoprec.hardware.defaults import amp_policy
 from autoprec.models import load_model
@@ -115,7 +122,7 @@ def test_resnet50_step_is_fast_and_plausible(resnet50):
     assert isinstance(estimate, StepEstimate)
     assert 300 < estimate.throughput < 20000
     assert estimate.throughput == pytest.approx(256 / estimate.step_time_s)
-    parts = ("forward_s", "backward_s", "optimizer_s", "cast_s", "other_s")
+    parts = ("forward_s", "backward_s", "optimizer_s", "cast_s", "other_s", "layout_s")
     assert estimate.step_time_s == pytest.approx(sum(getattr(estimate, k) for k in parts))
     assert len(estimate.layers) == len(resnet50)
 
@@ -231,3 +238,99 @@ def test_storage_bytes_match_the_format_registry():
     formats = {f for p in Precision for f in (p.forward_format, p.backward_format)}
     assert formats == set(STORAGE_BYTES)
     assert {f: get_format(f).storage_bytes for f in formats} == dict(STORAGE_BYTES)
+
+
+def conv_row(channels_per_group: int = 256, batch: int = 256, groups: int = 1) -> LayerRow:
+    """A 3x3 convolution, 256 -> 256 channels, on 56x56 maps: compute-bound at tensor-core
+    rates unless depthwise (one input channel per group)."""
+    maps = 4 * batch * 256 * 56 * 56  # fp32 bytes of the input, and of the output
+    flops = 2 * batch * 56 * 56 * 256 * channels_per_group * 9
+    return LayerRow(
+        name="conv",
+        type="Conv2d",
+        index=0,
+        first=True,
+        last=True,
+        params=256 * channels_per_group * 9,
+        forward_flops=flops,
+        backward_flops=2 * flops,
+        input_bytes=maps,
+        weight_bytes=4 * 256 * channels_per_group * 9,
+        output_bytes=maps,
+        fan_in=channels_per_group * 9,
+        fan_out=256 * 9 // groups,
+        kernel_size=(3, 3),
+        stride=(1, 1),
+        calls=1,
+        default_precision="bf16",
+        position=0.0,
+    )
+
+
+def one_layer(row: LayerRow, batch: int = 256):
+    from autoprec.graph import LayerTable
+
+    return LayerTable("one", "sha256:0", batch, (256, 56, 56), (row,), row.forward_flops)
+
+
+def test_nchw_tensor_core_convolutions_pay_layout_transposes():
+    model, row = CostModel(A100, Efficiency()), conv_row()
+    nchw = model.step(one_layer(row), "bf16", memory_format="contiguous")
+    nhwc = model.step(one_layer(row), "bf16", memory_format="channels_last")
+    # input and output read and written twice (forward input, both gradients) at 2 bytes
+    moved = 2 * 2 * (row.input_bytes + row.output_bytes) * 0.5
+    bandwidth = get_device(A100).memory_bandwidth * 0.8
+    assert nhwc.layout_s == 0
+    assert nchw.layout_s == pytest.approx(moved / bandwidth + 4 * 5e-6, rel=1e-12)
+    assert nchw.step_time_s - nhwc.step_time_s == pytest.approx(nchw.layout_s, rel=1e-9)
+    assert nchw.to_dict()["layout_s"] == nchw.layout_s
+
+
+@pytest.mark.parametrize(
+    ("device", "precision", "row"),
+    [
+        (A100, "fp32", conv_row()),  # CUDA cores read NCHW
+        (A100, "bf16", conv_row(channels_per_group=1, groups=256)),  # depthwise
+        (A100, "bf16", big_linear()),  # no convolution
+        ("mi300x", "bf16", conv_row()),  # the rule is cuDNN's
+    ],
+)
+def test_no_transposes_without_a_tensor_core_convolution_on_nvidia(device, precision, row):
+    est = CostModel(device, Efficiency()).step(one_layer(row), precision)
+    assert est.layout_s == 0
+
+
+def test_nchw_falls_back_to_cuda_cores_when_transposes_cost_more():
+    # a memory-bound convolution: transposes would cost more than fp32 arithmetic saves
+    row = dataclasses.replace(conv_row(), forward_flops=10**9, backward_flops=2 * 10**9)
+    model = CostModel(A100, Efficiency())
+    est = model.step(one_layer(row), "bf16")
+    native = model.layer_cost(row, "bf16", rate=model.rate("fp32"))
+    assert est.layout_s == 0 and est.layers[0] == native
+
+
+def test_unknown_memory_format_raises():
+    with pytest.raises(CostModelError, match="unknown memory format 'nhwc'.*channels_last"):
+        CostModel(A100).step(one_layer(conv_row()), "bf16", memory_format="nhwc")
+
+
+def test_published_matmul_rates_set_the_default_efficiency():
+    v100, h100 = get_device(V100), get_device(H100)
+    eff = CostModel(V100).efficiency.compute
+    assert eff["fp32"] == pytest.approx(13.85 / 15.7) and eff["fp16"] == pytest.approx(95.73 / 125)
+    assert eff["fp32"] == v100.matmul_tflops["fp32"] / v100.peak_tflops["fp32"]
+    # fp8 is not measured: its default, scaled as the nearest wider measured format (fp16) is
+    fp16 = h100.matmul_tflops["fp16"] / h100.peak_tflops["fp16"]
+    assert CostModel(H100).efficiency.compute["fp8"] == pytest.approx(0.5 * fp16 / 0.6)
+    assert CostModel("a100-80gb-sxm").efficiency == Efficiency()  # nothing published
+
+
+@pytest.mark.parametrize("device", [d.name for d in list_devices() if d.peak_tflops])
+def test_every_device_is_monotone_with_its_default_efficiency(device):
+    spec, model = get_device(device), CostModel(device)
+    order = [p for p in ("fp8", "fp16", "bf16", "tf32", "fp32") if p in spec.peak_tflops]
+    totals = [sum(dataclasses.astuple(model.layer_cost(big_linear(), p))[2:4]) for p in order]
+    assert totals == sorted(totals)
+    table = one_layer(conv_row())
+    steps = [model.step(table, p).step_time_s for p in order]
+    assert steps == sorted(steps)

@@ -46,6 +46,7 @@ def test_every_figure_has_a_non_empty_source():
     for spec in list_devices():
         figures = ["memory_bandwidth_gbs", "memory_gb"]
         figures += [f"peak_tflops.{p}" for p in spec.peak_tflops]
+        figures += [f"matmul_tflops.{p}" for p in spec.matmul_tflops]
         for key in figures:
             assert spec.sources[key].strip(), f"{spec.name}: {key} has no source"
         assert spec.memory_bandwidth_gbs > 0 and spec.memory_gb > 0
@@ -221,6 +222,10 @@ def _entry(**changes):
         (_entry(preferred={"low": "fp8", "wide": "fp32", "loss_scaling": False}), "bf16 or fp16"),
         (_entry(name="Test GPU"), "bad slug"),
         (_entry(colour="green"), "unknown fields \\['colour'\\]"),
+        (_entry(matmul_tflops={"bf16": 90.0}), "matmul_tflops.bf16 has no source"),
+        (_entry(matmul_tflops={"bf16": 120.0}), "exceeds peak_tflops.bf16 = 100"),
+        (_entry(matmul_tflops={"fp16": 50.0}), "fp16, which has no peak_tflops"),
+        (_entry(matmul_tflops=[1.0]), "matmul_tflops must be a mapping"),
     ],
 )
 def test_broken_yaml_names_the_entry_and_the_problem(
@@ -255,3 +260,12 @@ def test_a_valid_custom_database_loads(monkeypatch, fresh_database):
     monkeypatch.setattr(database, "_database_text", lambda: yaml.safe_dump(data))
     spec = get_device("TEST GPU 1")
     assert isinstance(spec, DeviceSpec) and spec.peak_flops("bf16") == 100e12
+
+
+def test_published_matmul_rates_are_below_peak_and_quoted_in_their_source():
+    measured = [d for d in list_devices() if d.matmul_tflops]
+    assert {"v100-sxm2-32gb", "h100-sxm"} <= {d.name for d in measured}
+    for spec in measured:
+        for p, tflops in spec.matmul_tflops.items():
+            assert 0 < tflops <= spec.peak_tflops[p]
+            assert f"{tflops:g} TFLOPS" in spec.sources[f"matmul_tflops.{p}"]

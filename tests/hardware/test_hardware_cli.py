@@ -145,3 +145,18 @@ def test_bad_input_exits_2_in_one_line(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def _estimate(capsys, device: str, precision: str, memory_format: str) -> dict:
+    argv = [*ESTIMATE[:4], "--device", device, *ESTIMATE[6:9], precision]
+    assert main([*argv, "--json", "--memory-format", memory_format]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_estimate_memory_format(capsys):
+    nchw, nhwc = (_estimate(capsys, "h100-sxm", "bf16", f) for f in ("contiguous", "channels_last"))
+    assert nhwc["layout_s"] == 0 < nchw["layout_s"]
+    # small convolutions fall back to CUDA-core kernels on NCHW data: slower, no transposes
+    assert nchw["step_time_s"] >= nhwc["step_time_s"] + nchw["layout_s"]
+    fp32 = [_estimate(capsys, "v100-sxm2-32gb", "fp32", f) for f in ("contiguous", "channels_last")]
+    assert fp32[0] == fp32[1]  # CUDA-core convolutions read NCHW as they are
