@@ -197,19 +197,17 @@ def _analyze(spec: Any, x: torch.Tensor, y: torch.Tensor) -> LayerTable:
     root = type(model).__name__
     model.train()
     try:
-        with FlopCounterMode(display=False) as fwd_counter:
-            model(x)
-        calls.clear()
-        order.clear()
-        with FlopCounterMode(display=False) as both_counter, traffic:
-            loss = spec.loss(model(x), y)
+        with FlopCounterMode(display=False) as counter, traffic:
+            output = model(x)
+            forward_counts = {k: dict(v) for k, v in counter.get_flop_counts().items()}
+            loss = spec.loss(output, y)
             traffic.in_backward = True  # backward: one pool, shared out below
             loss.backward()
     finally:
         for h in hooks:
             h.remove()
-    fwd = _module_flops(fwd_counter.get_flop_counts(), root)
-    both = _module_flops(both_counter.get_flop_counts(), root)
+    fwd = _module_flops(forward_counts, root)
+    both = _module_flops(counter.get_flop_counts(), root)
     other = traffic.per_layer(order)
     rows = []
     for index, name in enumerate(order):
@@ -255,5 +253,5 @@ def _analyze(spec: Any, x: torch.Tensor, y: torch.Tensor) -> LayerTable:
         batch_size=int(x.shape[0]),
         input_shape=tuple(x.shape[1:]),
         rows=tuple(rows),
-        total_forward_flops=int(sum(fwd_counter.get_flop_counts()["Global"].values())),
+        total_forward_flops=int(sum(forward_counts["Global"].values())),
     )

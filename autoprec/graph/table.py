@@ -14,7 +14,7 @@ from typing import Any
 
 FLOP_UNIT = "FLOPs (2 per multiply-add)"
 #: Bump when what analyze() measures, or how a table is cached, changes: old entries are ignored.
-TABLE_VERSION = 2
+TABLE_VERSION = 3
 
 
 @dataclass(frozen=True)

@@ -113,6 +113,15 @@ def test_traffic_of_the_work_between_layers():
     assert first.other_bytes_backward > 0 and last.other_bytes_backward > 0
 
 
+def test_work_before_the_first_tunable_layer_counts_towards_it():
+    model = nn.Sequential(nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    table = analyze(Spec("mlp", model, (8,)), 2)
+    relu = 2 * 2 * 8 * 4  # read and write a 2x8 fp32 tensor
+    assert (table["1"].other_bytes_forward, table["1"].other_ops_forward) == (2 * relu, 2)
+    without = analyze(Spec("mlp", model[1:], (8,)), 2)  # slicing keeps the names
+    assert table["3"].other_ops_forward == without["3"].other_ops_forward  # the loss only
+
+
 def test_cached_table_is_the_same_and_keyed_by_shape(tmp_path, monkeypatch):
     monkeypatch.setenv("AUTOPREC_CACHE_DIR", str(tmp_path))
     model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 10))
