@@ -28,8 +28,7 @@ Example:
     >>> scaler = LossScaler(kind="static", init_scale=1.0)  # skips steps that overflowed
     >>> scaler.scale(loss_fn(model(x), y)).backward()
     >>> scaler.step(optimizer); scaler.update()
-    >>> scaling.scales()["fc"]  # the scale the last backward pass of ``fc`` used
-    65536.0
+    >>> scaling.scales()  # each layer's scale in its latest backward pass
     >>> scaling.remove(); handle.remove()
 """
 
@@ -45,7 +44,14 @@ from autoprec.kernels import get_format
 from autoprec.precision import Precision, parse_precision
 from autoprec.runtime.apply import PolicyHandle
 
-__all__ = ["LayerScaling", "apply_layer_scaling"]
+__all__ = ["DEFAULT_MARGIN", "LayerScaling", "apply_layer_scaling"]
+
+# Head room in powers of two. An fp16 overflow is an inf and costs a skipped step, while the
+# format spans 40 binades (2**-24 to 2**16) and one layer's gradient values about 20, so a few
+# binades are cheap. With no margin a layer's amax only has to grow by 2x from one batch to the
+# next to overflow, which training resnet18 on digits does often
+# (`python experiments/overflow.py --layer-margin 0`).
+DEFAULT_MARGIN = 4
 
 
 class _Call:
@@ -244,7 +250,7 @@ def apply_layer_scaling(
     precisions: Iterable[str | Precision] = ("fp16",),
     *,
     history_len: int = 16,
-    margin: int = 0,
+    margin: int = DEFAULT_MARGIN,
 ) -> LayerScaling:
     """Give each layer of ``handle`` at one of ``precisions`` its own output-gradient scale.
 
@@ -253,7 +259,8 @@ def apply_layer_scaling(
         precisions: the layers (by their current precision) that get a scale; fp16 by default,
             the one format whose range loss scaling exists for.
         history_len: backward passes of a layer its amax history covers.
-        margin: extra head room, in powers of two.
+        margin: head room below the format's largest value, in powers of two (see
+            :data:`DEFAULT_MARGIN`).
 
     Returns:
         The :class:`LayerScaling`; ``remove()`` takes its hooks off.

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from autoprec.runtime import LossScaler, apply_policy
-from autoprec.runtime.layer_scaling import apply_layer_scaling
+from autoprec.runtime.layer_scaling import DEFAULT_MARGIN, apply_layer_scaling
 
 FP16_MAX = 65504.0
 X = torch.randn(1, 16, generator=torch.Generator().manual_seed(2))
@@ -40,8 +40,8 @@ def _received(layer: nn.Linear, g: torch.Tensor) -> torch.Tensor:
     return layer.bias.grad.detach().clone()
 
 
-def _scale_for(amax: float) -> float:
-    return 2.0 ** math.floor(math.log2(FP16_MAX / amax))
+def _scale_for(amax: float, margin: int = DEFAULT_MARGIN) -> float:
+    return 2.0 ** math.floor(math.log2(FP16_MAX / (amax * 2.0**margin)))
 
 
 def _fp16(t: torch.Tensor) -> torch.Tensor:
@@ -87,15 +87,15 @@ def test_scale_is_delayed_and_an_overflow_feeds_the_next_one():
         with apply_layer_scaling(handle, history_len=4) as scaling:
             _received(layer, g)  # first pass: its own amax
             assert scaling.scales()[""] == _scale_for(a)
-            grown = _received(layer, 4 * g)  # delayed: still the first scale, so it overflows
+            grown = _received(layer, 64 * g)  # delayed: the first scale, beyond the margin
             assert scaling.scales()[""] == _scale_for(a)
             assert torch.isinf(grown).any()
-            again = _received(layer, 4 * g)  # the history now holds the larger amax
-            assert scaling.scales()[""] == _scale_for(4 * a)
+            again = _received(layer, 64 * g)  # the history now holds the larger amax
+            assert scaling.scales()[""] == _scale_for(64 * a)
             assert torch.isfinite(again).all()
             for _ in range(4):  # four more passes push the large amaxes out of the history
                 _received(layer, g)
-            assert scaling.scales()[""] == _scale_for(4 * a)  # that pass still saw one
+            assert scaling.scales()[""] == _scale_for(64 * a)  # that pass still saw one
             _received(layer, g)
             assert scaling.scales()[""] == _scale_for(a)
 
