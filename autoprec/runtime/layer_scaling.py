@@ -18,9 +18,12 @@ in the rounding, as it would in fp16, and the step should be skipped (a
 ``LossScaler(kind="static", init_scale=1.0)`` does exactly that); the next scale then accounts
 for the larger amax. Non-finite amaxes are not recorded.
 
-Only the emulate mode has a place to put the scale: there the rounding of the output gradient
-is an explicit step of the runtime (:mod:`autoprec.runtime.casting`). Native autocast keeps the
-gradient inside the layer in fp16 and has no such step, so native handles are refused.
+The scaling is two tensor hooks per call (no extra autograd node and no copy, so in-place
+operations after the layer behave as without it), one on the layer's own output (unscale) and
+one on what the runtime's rounding returns (scale). Only the emulate mode has a place to put
+them: there the rounding of the output gradient is an explicit step of the runtime
+(:mod:`autoprec.runtime.casting`). Native autocast keeps the gradient inside the layer in fp16
+and has no such step, so native handles are refused.
 
 Example:
     >>> handle = apply_policy(model, "fp16", mode="emulate")
@@ -34,6 +37,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from typing import Any
 
@@ -55,43 +59,18 @@ DEFAULT_MARGIN = 4
 
 
 class _Call:
-    """The scale one forward call's backward pass used (set by ``_Scale``, read by
-    ``_Unscale``)."""
+    """One forward call of a layer: the scale its backward pass uses (set when the gradient
+    reaches the layer's output, read when it leaves the rounding) and the hook that unscales."""
 
-    __slots__ = ("scale",)
+    __slots__ = ("scale", "raw", "hook")
 
-    def __init__(self) -> None:
+    def __init__(self, raw: Tensor) -> None:
         self.scale: Tensor | None = None
+        self.raw = id(raw)  # the layer's own output, before the runtime's rounding
+        self.hook = raw.register_hook(self.unscale)
 
-
-class _Unscale(torch.autograd.Function):
-    """Identity in forward; divides the gradient by the call's scale in backward."""
-
-    @staticmethod
-    def forward(ctx, x, call):  # noqa: D102
-        ctx.call = call
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):  # noqa: D102
-        scale = ctx.call.scale
-        return (grad if scale is None else grad / scale.to(grad.dtype)), None
-
-
-class _Scale(torch.autograd.Function):
-    """Identity in forward; in backward, picks the layer's scale from the incoming gradient's
-    amax and multiplies the gradient by it."""
-
-    @staticmethod
-    def forward(ctx, x, layer, call):  # noqa: D102
-        ctx.layer, ctx.call = layer, call
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):  # noqa: D102
-        scale = ctx.layer.next_scale(grad)
-        ctx.call.scale = scale
-        return grad * scale.to(grad.dtype), None, None
+    def unscale(self, grad: Tensor) -> Tensor:
+        return grad if self.scale is None else grad / self.scale.to(grad.dtype)
 
 
 class _DelayedScale:
@@ -165,24 +144,25 @@ class _ScaledLayer:
             return t
         return None
 
-    @staticmethod
-    def _replace_first(output: Any, t: Tensor) -> Any:
-        return (t, *output[1:]) if isinstance(output, tuple) else t
-
-    def _inner(self, module: nn.Module, args: tuple, output: Any) -> Any:
+    def _inner(self, module: nn.Module, args: tuple, output: Any) -> None:
+        """Before the runtime's hook: unscale the gradient of the layer's own output."""
         t = self._first(output)
-        if t is None:
-            self._pending = None
-            return output
-        self._pending = _Call()
-        return self._replace_first(output, _Unscale.apply(t, self._pending))
+        self._pending = None if t is None else _Call(t)
 
-    def _outer(self, module: nn.Module, args: tuple, output: Any) -> Any:
+    def _outer(self, module: nn.Module, args: tuple, output: Any) -> None:
+        """After the runtime's hook: scale the gradient arriving at the rounded output."""
         call, self._pending = self._pending, None
+        if call is None:
+            return
         t = self._first(output)
-        if call is None or t is None:
-            return output
-        return self._replace_first(output, _Scale.apply(t, self, call))
+        if t is None or id(t) == call.raw:  # nothing was rounded (e.g. promoted to fp32)
+            call.hook.remove()
+            return
+        t.register_hook(functools.partial(self._scale, call))
+
+    def _scale(self, call: _Call, grad: Tensor) -> Tensor:
+        call.scale = self.next_scale(grad)
+        return grad * call.scale.to(grad.dtype)
 
     @torch.no_grad()
     def next_scale(self, grad: Tensor) -> Tensor:
