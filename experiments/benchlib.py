@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import datetime as dt
 import os
 import platform
+import re
 import sys
 import time
-from collections.abc import Callable
+import types
+import typing
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+T = TypeVar("T")
 
 
 def cpu_name() -> str:
@@ -60,3 +67,111 @@ def write_section(name: str, body: str, path: Path = DOCS) -> None:
     tmp.write_text(text)
     tmp.replace(path)
     print(f"wrote {path}", file=sys.stderr)
+
+
+def parse_args(cls: type[T], description: str, argv: Sequence[str] | None = None) -> T:
+    """An instance of the dataclass ``cls`` from the command line: one ``--field-name`` option
+    per field, its default the field's; bools are flags, lists and tuples take several values,
+    ``X | None`` fields accept X. A field's ``metadata={"help": ...}`` is its help text."""
+    hints = typing.get_type_hints(cls)
+    parser = argparse.ArgumentParser(description=description)
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        if typing.get_origin(kind) in (types.UnionType, typing.Union):
+            kind = next(a for a in typing.get_args(kind) if a is not type(None))
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        flag = "--" + f.name.replace("_", "-")
+        extra: dict[str, Any] = {"help": f.metadata.get("help")}
+        if kind is bool:
+            parser.add_argument(flag, action="store_true", default=default, **extra)
+            continue
+        origin = typing.get_origin(kind)
+        if origin in (list, tuple):
+            inner = typing.get_args(kind)[0]
+            convert = _number if inner is float else inner
+            extra.update(nargs="+", type=convert)
+        else:
+            extra["type"] = _number if kind is float else kind
+        parser.add_argument(flag, default=default, **extra)
+    ns = parser.parse_args(argv)
+    values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)}
+    for f in dataclasses.fields(cls):
+        if typing.get_origin(hints[f.name]) is tuple:
+            values[f.name] = tuple(values[f.name])
+    return cls(**values)
+
+
+def _number(text: str) -> float:
+    """A float from ``"0.5"``, ``"1e-3"`` or a power of two such as ``"2**-10"``."""
+    if "**" in text:
+        base, exponent = text.split("**", 1)
+        return float(base) ** float(exponent)
+    return float(text)
+
+
+def md_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    """A markdown table; columns whose cells are all numbers (or '-') are right-aligned."""
+    rows = [[str(c) for c in row] for row in rows]
+
+    def numeric(i: int) -> bool:
+        cells = [r[i] for r in rows if r[i] not in ("-", "")]
+        return bool(cells) and all(_NUMBER.fullmatch(c) for c in cells)
+
+    align = ["---:" if numeric(i) else "---" for i in range(len(header))]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+_NUMBER = re.compile(r"[+-]?(\d[\d,]*\.?\d*(e[+-]?\d+)?|nan|inf)\s*(%|x|s|ms|pp)?")
+
+
+def env_prefix(names: Sequence[str] = ("OMP_WAIT_POLICY",)) -> str:
+    """``NAME=value `` for each of ``names`` set in the environment, to put before a command
+    line (OpenMP's wait policy changes CPU timings a lot on a loaded machine)."""
+    return "".join(f"{n}={os.environ[n]} " for n in names if n in os.environ)
+
+
+@torch.no_grad()
+def score_split(
+    model: torch.nn.Module, spec: Any, data: Any, split: str, device: Any = None
+) -> tuple[float, float]:
+    """Mean loss and accuracy of ``model`` over a data split, in eval mode (as the evaluator
+    scores a policy: whatever policy is applied stays applied); back in train mode after."""
+    model.eval()
+    loss = correct = count = 0.0
+    for x, y in data.loader(split, batch_size=256, shuffle=False):
+        if device is not None:
+            x, y = x.to(device), y.to(device)
+        out = model(x)
+        loss += float(spec.loss(out, y)) * len(x)
+        correct += float((spec.logits(out).argmax(-1) == y).sum())
+        count += len(x)
+    model.train()
+    return loss / count, correct / count
+
+
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def autocast_support(device: str, precision: str) -> str | None:
+    """None if ``device`` autocasts a matmul and a convolution (forward and backward) to the
+    precision's dtype (bf16 or fp16), else why not."""
+    dtype = AUTOCAST_DTYPES[precision]
+    try:
+        lin, conv = torch.nn.Linear(8, 8).to(device), torch.nn.Conv2d(2, 2, 3).to(device)
+        with torch.autocast(device_type=torch.device(device).type, dtype=dtype):
+            a = lin(torch.randn(4, 8, device=device))
+            b = conv(torch.randn(1, 2, 5, 5, device=device))
+        if a.dtype != dtype or b.dtype != dtype:
+            return f"autocast gave {a.dtype}/{b.dtype}"
+        (a.float().sum() + b.float().sum()).backward()
+    except Exception as exc:  # noqa: BLE001 - any failure means: not supported here
+        return f"{type(exc).__name__}: {exc}".splitlines()[0][:100]
+    return None
+
+
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| (L2, in float64)."""
+    a, b = a.detach().double().flatten(), b.detach().double().flatten()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
