@@ -1,0 +1,268 @@
+"""The experiments keep working: every search config passes the search command's own config
+validation, the hypervolume is right on hand-checkable cases, and each script's quick mode
+(gpu_validate's CPU dry run) runs and writes a sane table into a scratch docs file.
+
+The scripts run in subprocesses, as a user runs them, each with its own cache folder; none
+touches the real docs/benchmarks.md (``--docs`` points into tmp_path).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+EXPERIMENTS = ROOT / "experiments"
+CONFIGS = sorted(EXPERIMENTS.glob("search-*.yaml"))
+NUMBER = re.compile(r"[+-]?\d+(\.\d+)?(e[+-]?\d+)?")
+
+
+# ----------------------------------------------------------------------------------- helpers
+def _load_script(name: str):
+    """Import experiments/<name>.py (with experiments/ on sys.path for its benchlib import)."""
+    sys.path.insert(0, str(EXPERIMENTS))
+    try:
+        spec = importlib.util.spec_from_file_location(
+            f"experiments_{name}", EXPERIMENTS / f"{name}.py"
+        )
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up there
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(EXPERIMENTS))
+
+
+def _run(script: str, tmp_path: Path, *args: str, timeout: int = 300) -> str:
+    """Run a script with --write-docs into tmp_path; the text of the docs file."""
+    docs = tmp_path / "benchmarks.md"
+    env = {**os.environ, "AUTOPREC_CACHE_DIR": str(tmp_path / "cache"), "COLUMNS": "160"}
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # a loaded CPU: no spinning OpenMP threads
+    proc = subprocess.run(
+        [sys.executable, str(EXPERIMENTS / script), *args, "--write-docs", "--docs", str(docs)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return docs.read_text()
+
+
+def _section(text: str, name: str) -> str:
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    assert start in text and end in text, f"no section {name!r} in the docs file"
+    return text.split(start, 1)[1].split(end, 1)[0]
+
+
+def _tables(section: str) -> list[list[dict[str, str]]]:
+    """Every markdown table of a section, as rows of {header: cell}."""
+    tables, lines = [], section.splitlines()
+    i = 0
+    while i < len(lines):
+        if lines[i].startswith("|") and i + 1 < len(lines) and lines[i + 1].startswith("|--"):
+            header = [c.strip() for c in lines[i].strip("|").split("|")]
+            rows, i = [], i + 2
+            while i < len(lines) and lines[i].startswith("|"):
+                cells = [c.strip() for c in lines[i].strip("|").split("|")]
+                assert len(cells) == len(header), lines[i]
+                rows.append(dict(zip(header, cells, strict=True)))
+                i += 1
+            tables.append(rows)
+        else:
+            i += 1
+    return tables
+
+
+def _num(cell: str) -> float:
+    """The first number in a cell ('12.5%' -> 12.5, '+0.0012' -> 0.0012)."""
+    match = NUMBER.search(cell)
+    assert match, f"no number in {cell!r}"
+    return float(match.group())
+
+
+def _provenance_ok(section: str) -> None:
+    assert "Command: `" in section and "Date: " in section and "Machine: " in section
+
+
+# ----------------------------------------------------------------------------------- configs
+def _validated(path: Path) -> dict:
+    """The options `autoprec search --config path` would run with (no search is run)."""
+    from autoprec.cli.search import _merge_config, search
+
+    ctx = search.make_context("search", ["--config", str(path)])
+    return _merge_config(ctx, dict(ctx.params))
+
+
+def test_there_are_the_configs_the_issue_asks_for():
+    names = {p.stem for p in CONFIGS}
+    for needed in (
+        "search-resnet18-h100",
+        "search-resnet50-h100",
+        "search-mobilenet_v3_small-h100",
+        "search-tinytransformer-h100",
+        "search-resnet18-v100",
+    ):
+        assert needed in names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_config_passes_the_search_commands_validation(path):
+    from autoprec.data import list_datasets
+    from autoprec.hardware import get_device
+    from autoprec.models import list_models
+
+    opts = _validated(path)
+    models = {m["name"]: m for m in list_models()}
+    assert opts["model_name"] in models
+    task = models[opts["model_name"]]["task"]
+    datasets = {d["name"]: d for d in list_datasets()}
+    assert task in datasets[opts["dataset"]]["tasks"]
+    raw = yaml.safe_load(path.read_text())
+    if task == "image-classification":  # the default dataset, whatever it is today
+        assert "dataset" not in raw
+    device = get_device(opts["target"])
+    precisions = [p.strip() for p in opts["precisions"].split(",")]
+    assert all(device.supports(p) for p in precisions), (device.name, precisions)
+    assert opts["budget"] >= 1 and opts["agent"] in ("ppo", "tpe", "nsga2", "random", "greedy")
+
+
+def test_configs_do_not_share_outputs():
+    keys = ("out", "pareto_dir", "storage", "study_name", "experiment")
+    seen: dict[str, set] = {k: set() for k in keys}
+    for path in CONFIGS:
+        opts = _validated(path)
+        for key in keys:
+            assert opts[key] and opts[key] not in seen[key], (path.name, key)
+            seen[key].add(opts[key])
+
+
+def test_config_validation_rejects_an_unknown_key(tmp_path):
+    from autoprec.cli.search import SearchSetupError
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(CONFIGS[0].read_text() + "budjet: 3\n")
+    with pytest.raises(SearchSetupError, match="unknown key 'budjet'"):
+        _validated(bad)
+    worse = tmp_path / "worse.yaml"
+    worse.write_text("model: resnet18\nbudget: many\n")
+    with pytest.raises(SearchSetupError, match="budget"):
+        _validated(worse)
+
+
+# ------------------------------------------------------------------------------- hypervolume
+def test_hypervolume_on_hand_checkable_cases():
+    hv = _load_script("ground_truth").hypervolume
+    assert hv([(1, 2), (2, 1)], (3, 3)) == 3.0  # 2 + 2 - the 1x1 overlap
+    assert hv([(0, 0, 0)], (1, 2, 3)) == 6.0
+    assert hv([(0, 0, 1), (1, 1, 0)], (2, 2, 2)) == 5.0  # 4 + 2 - 1
+    assert hv([(0, 0, 1), (1, 1, 0), (1, 1, 1)], (2, 2, 2)) == 5.0  # a dominated point adds 0
+    assert hv([(3, 0, 0)], (2, 2, 2)) == 0.0  # outside the box
+    assert hv([], (1, 1, 1)) == 0.0
+
+
+def test_hypervolume_matches_optuna_on_random_fronts():
+    np = pytest.importorskip("numpy")
+    optuna_hv = pytest.importorskip("optuna._hypervolume").compute_hypervolume
+    hv = _load_script("ground_truth").hypervolume
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        points = rng.uniform(0, 1, size=(30, 3))
+        ref = np.ones(3) * 1.1
+        assert math.isclose(hv(points.tolist(), ref.tolist()), optuna_hv(points, ref), rel_tol=1e-9)
+
+
+# ------------------------------------------------------------------------------ quick modes
+def test_overflow_quick(tmp_path):
+    section = _section(_run("overflow.py", tmp_path, "--quick"), "overflow")
+    _provenance_ok(section)
+    assert "bit-identical (checked over the first 2 steps: identical)" in section
+    (table,) = _tables(section)
+    arms = [r["arm"] for r in table]
+    assert arms[0] == "fp32 (reference)" and arms[1] == "fp16, no scaling"
+    assert any(a.startswith("fp16, static") for a in arms)
+    assert any(a.startswith("fp16, LossScaler (dynamic") for a in arms)
+    assert arms[-1] == "fp16, per-layer scaling"
+    for r in table:
+        for col in ("overflow steps", "skipped steps", "val accuracy %"):
+            assert 0.0 <= _num(r[col]) <= 100.0
+        assert math.isfinite(_num(r["train loss"]))
+    no_scaling = table[1]
+    assert _num(no_scaling["underflowed values"]) > 0  # the small-gradient regime shows
+
+
+def test_fidelity_quick(tmp_path):
+    section = _section(_run("fidelity.py", tmp_path, "--quick"), "fidelity")
+    _provenance_ok(section)
+    at_init, trained, finals = _tables(section)
+    assert [r["precision"] for r in at_init] == ["bf16", "fp16"]
+    bf16 = at_init[0]
+    assert bf16["device"] == "cpu" and bf16["seeds"] == "1"
+    for col in ("output: emulate vs native", "gradient: emulate vs native"):
+        assert 0.0 < _num(bf16[col]) < 0.5  # the modes differ, by rounding-sized amounts
+    for r in trained:
+        assert 0.0 <= _num(r["final loss: emulate vs native"]) < 50.0
+    for r in finals:
+        for col in ("loss fp32", "loss emulate", "loss native"):
+            assert math.isfinite(_num(r[col])) and _num(r[col]) > 0
+
+
+def test_migration_quick(tmp_path):
+    section = _section(_run("migration.py", tmp_path, "--quick"), "migration")
+    _provenance_ok(section)
+    (table,) = _tables(section)
+    assert [r["model"] for r in table] == ["mlp", "tinycnn"]
+    for r in table:
+        assert r["without intervention"] in ("yes", "no")
+        assert math.isfinite(_num(r["loss delta"])) and _num(r["speedup"]) > 0
+        assert 0 <= _num(r["lowered"]) <= 100
+    assert re.search(r"\*\*\d of 2\*\* models", section)
+
+
+def test_gpu_validate_dry_run(tmp_path):
+    section = _section(_run("gpu_validate.py", tmp_path, "--dry-run"), "gpu_validate_dry_run")
+    _provenance_ok(section)
+    assert "predictions for the database entry **h100-sxm**" in section
+    small, big = _tables(section)
+    assert [r["precision"] for r in small] == ["bf16", "fp16", "fp8"]
+    for r in small[:2]:
+        assert 0.0 < _num(r["logits: emulate vs native"]) < 0.5
+    assert "not wired in" in small[2]["note"]  # fp8 runs emulated in native mode, and says so
+    names = [r["policy"] for r in big]
+    assert names[:4] == ["fp32 (TF32 off)", "tf32", "AMP-bf16", "hardware default"]
+    assert names[4] == "searched"
+    assert "Searched policy: greedy agent on the surrogate" in section
+    for r in big:
+        assert _num(r["step ms"]) > 0 and _num(r["predicted ms"]) > 0
+        assert r["peak GB"] == "-"  # no memory figure without CUDA
+
+
+def test_ground_truth_quick(tmp_path):
+    plot = tmp_path / "regret.png"
+    section = _section(
+        _run("ground_truth.py", tmp_path, "--quick", "--plot", str(plot)), "ground_truth"
+    )
+    _provenance_ok(section)
+    assert "all 16 policies of tinycnn" in section
+    (table,) = _tables(section)
+    assert len(table) == 5 * 2
+    assert {r["agent"] for r in table} == {"ppo", "tpe", "nsga2", "random", "greedy"}
+    for r in table:
+        assert _num(r["median regret"]) >= 0
+        assert 0 <= _num(r["found true best"]) <= 100
+        assert 0 <= _num(r["median HV ratio"]) <= 1 + 1e-9
+        assert r["fresh fine-tunings"] == "0"  # every agent evaluation was a cache hit
+        assert _num(r["real evaluations"]) <= _num(r["budget"])
+    from PIL import Image
+
+    with Image.open(plot) as image:
+        assert image.format == "PNG" and image.size[0] > 100 and image.size[1] > 100
