@@ -175,3 +175,13 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     """||a - b|| / ||b|| (L2, in float64)."""
     a, b = a.detach().double().flatten(), b.detach().double().flatten()
     return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def read_section(name: str, path: Path = DOCS) -> str | None:
+    """The body :func:`write_section` wrote between the ``name`` markers of ``path``, if any
+    (e.g. to carry a section written on another machine into docs/benchmarks.md)."""
+    start, end = f"<!-- {name}:start -->\n", f"<!-- {name}:end -->"
+    text = path.read_text() if path.exists() else ""
+    if start not in text or end not in text:
+        return None
+    return text.split(start, 1)[1].split(end, 1)[0]

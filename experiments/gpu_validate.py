@@ -30,6 +30,12 @@ of 4, a couple of steps, timed with `time.perf_counter` (no memory figure), pred
 
     python experiments/gpu_validate.py --write-docs          # on the GPU machine
     python experiments/gpu_validate.py --dry-run             # anywhere (the test runs this)
+
+On a machine whose files come back only from one folder ($OUT), write there and carry the
+section over afterwards:
+
+    python experiments/gpu_validate.py --write-docs --docs $OUT/benchmarks.md --json $OUT/gpu.json
+    python experiments/gpu_validate.py --section-from <fetched>/benchmarks.md --write-docs
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ from benchlib import (
     md_table,
     parse_args,
     provenance,
+    read_section,
     rel_diff,
     write_section,
 )
@@ -65,6 +72,7 @@ from autoprec.policy import LossScalingConfig, PrecisionPolicy
 from autoprec.runtime import LossScaler, apply_policy
 
 NATIVE_PRECISIONS = ("fp32", "tf32", "bf16", "fp16")  # what the runtime runs natively
+SECTIONS = ("gpu_validate", "gpu_validate_dry_run")  # in docs/benchmarks.md
 
 
 @dataclass
@@ -90,6 +98,10 @@ class Args:
     )
     dry_run: bool = field(default=False, metadata={"help": "CPU, tinycnn, tiny batch"})
     json: Path | None = field(default=None, metadata={"help": "also write the raw results"})
+    section_from: Path | None = field(
+        default=None,
+        metadata={"help": "copy this script's section from that markdown file to --docs; no run"},
+    )
     write_docs: bool = False
     docs: Path = field(default=DOCS, metadata={"help": "the markdown file to write"})
 
@@ -487,6 +499,19 @@ def report(args: Args, gpu: str, device: Any, small: list, big: list, why: str, 
     )
 
 
+def copy_sections(source: Path, docs: Path) -> dict[str, Any]:
+    """Carry the sections a run wrote elsewhere (the GPU machine's copy) into ``docs``."""
+    copied = {}
+    for name in SECTIONS:
+        body = read_section(name, source)
+        if body is not None:
+            write_section(name, body, path=docs)
+            copied[name] = body
+    if not copied:
+        raise SystemExit(f"no {' or '.join(SECTIONS)} section in {source}")
+    return copied
+
+
 def command(args: Args) -> str:
     extra = " --dry-run" if args.dry_run else ""
     if args.policy is not None:
@@ -496,6 +521,8 @@ def command(args: Args) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(Args, __doc__.splitlines()[0], argv)
+    if args.section_from is not None:
+        return copy_sections(args.section_from, args.docs)
     clock = Clock(args.max_minutes)
     if not args.compile_kernels:  # same bits, no minutes of compiling inside the time limit
         os.environ.setdefault("AUTOPREC_COMPILE", "0")
@@ -530,8 +557,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2, default=str))
     if args.write_docs:
-        name = "gpu_validate_dry_run" if args.dry_run else "gpu_validate"
-        write_section(name, body, path=args.docs)
+        write_section(SECTIONS[1] if args.dry_run else SECTIONS[0], body, path=args.docs)
     print(f"total {time.perf_counter() - clock.start:.0f} s", flush=True)
     return results
 

@@ -229,7 +229,8 @@ def test_migration_quick(tmp_path):
 
 
 def test_gpu_validate_dry_run(tmp_path):
-    section = _section(_run("gpu_validate.py", tmp_path, "--dry-run"), "gpu_validate_dry_run")
+    text = _run("gpu_validate.py", tmp_path, "--dry-run")
+    section = _section(text, "gpu_validate_dry_run")
     _provenance_ok(section)
     assert "predictions for the database entry **h100-sxm**" in section
     small, big = _tables(section)
@@ -244,6 +245,12 @@ def test_gpu_validate_dry_run(tmp_path):
     for r in big:
         assert _num(r["step ms"]) > 0 and _num(r["predicted ms"]) > 0
         assert r["peak GB"] == "-"  # no memory figure without CUDA
+    # a section written on another machine is carried into the docs without a run
+    copy = tmp_path / "copy.md"
+    source = tmp_path / "benchmarks.md"
+    cmd = [sys.executable, str(EXPERIMENTS / "gpu_validate.py"), "--section-from", str(source)]
+    subprocess.run([*cmd, "--docs", str(copy)], check=True, capture_output=True, timeout=120)
+    assert _section(copy.read_text(), "gpu_validate_dry_run") == section
 
 
 def test_ground_truth_quick(tmp_path):
