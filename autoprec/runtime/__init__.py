@@ -3,6 +3,7 @@
 - :mod:`.apply`: ``apply_policy`` (emulate and native modes), the handle, the overflow guard.
 - :mod:`.casting`: per-layer casting state in emulate mode.
 - :mod:`.loss_scaler`: ``LossScaler``, dynamic loss scaling with GradScaler's interface.
+- :mod:`.layer_scaling`: ``apply_layer_scaling``, a delayed scale per fp16 layer's gradient.
 """
 
 from autoprec.runtime.apply import (
@@ -13,16 +14,19 @@ from autoprec.runtime.apply import (
     RuntimeStateError,
     apply_policy,
 )
+from autoprec.runtime.layer_scaling import LayerScaling, apply_layer_scaling
 from autoprec.runtime.loss_scaler import LOSS_SCALER_KINDS, LossScaler, ScaleRecord
 
 __all__ = [
     "LOSS_SCALER_KINDS",
     "MODES",
     "GuardConfig",
+    "LayerScaling",
     "LayerStats",
     "LossScaler",
     "PolicyHandle",
     "RuntimeStateError",
     "ScaleRecord",
+    "apply_layer_scaling",
     "apply_policy",
 ]

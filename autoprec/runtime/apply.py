@@ -23,7 +23,7 @@ import logging
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,6 +108,9 @@ class _Layer:
         self._native_overflows = 0
         self._swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
         self._native_state: list[Any] = []
+        # per-layer scaling of the output gradient (emulate mode; see .layer_scaling): maps the
+        # arriving gradient to a power-of-two factor applied around its rounding
+        self.gradient_scale: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.hooks = [
             module.register_forward_pre_hook(self.pre_forward, with_kwargs=True),
             module.register_forward_hook(self.post_forward, always_call=True),
@@ -171,9 +174,10 @@ class _Layer:
         if not self.casts.active:
             return output
         if isinstance(output, tuple):  # nn.MultiheadAttention: (attn_output, attn_weights)
-            return (self.casts.backward_gradient(output[0]), *output[1:])
+            first = self.casts.backward_gradient(output[0], self.gradient_scale)
+            return (first, *output[1:])
         if isinstance(output, torch.Tensor):
-            return self.casts.backward_gradient(output)
+            return self.casts.backward_gradient(output, self.gradient_scale)
         return output
 
     # --- native mode ----------------------------------------------------------------------------

@@ -9,12 +9,20 @@ Transformer Engine keeps one scale per tensor.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from autoprec.kernels import Format, ScaledCast, fake_quantize, get_format, quantize_with_counts
+from autoprec.kernels import (
+    Format,
+    ScaledCast,
+    fake_quantize,
+    get_format,
+    quantize,
+    quantize_with_counts,
+)
 from autoprec.precision import Precision
 
 STREAMS = ("input", "weight", "grad_output")
@@ -94,14 +102,26 @@ class LayerCasts:
             return _RoundForward.apply(x, caster)
         return fake_quantize(x, caster, None)
 
-    def backward_gradient(self, out: Tensor) -> Tensor:
-        """``out`` unchanged; the gradient arriving at it is rounded to the backward format."""
+    def backward_gradient(
+        self, out: Tensor, scale: Callable[[Tensor], Tensor] | None = None
+    ) -> Tensor:
+        """``out`` itself; the gradient arriving at it is rounded to the backward format.
+
+        ``scale``, if given, maps the arriving gradient to a power-of-two factor: the gradient
+        is multiplied by it before the rounding and divided by it after (both exact), which
+        moves it into the format's range (per-layer scaling, :mod:`.layer_scaling`).
+
+        A tensor hook rather than an autograd function: a function returning its input would
+        hand back a view, and the in-place activation that often follows a layer
+        (``nn.ReLU(inplace=True)`` in torchvision's MobileNet, EfficientNet, VGG) may not modify
+        a view made by a custom function. The hook sees the gradient of ``out`` as the layer
+        produced it, before any later in-place change.
+        """
         if not self.active or not torch.is_floating_point(out) or not out.requires_grad:
             return out
         caster = self._caster("grad_output")
-        if isinstance(caster, _CountedCast):
-            return _RoundBackward.apply(out, caster)
-        return fake_quantize(out, None, caster)
+        out.register_hook(lambda grad: _round_gradient(caster, grad, scale))
+        return out
 
     def counts(self) -> tuple[int, int]:
         """(overflows, underflows) over all streams since creation."""
@@ -127,12 +147,20 @@ class _RoundForward(torch.autograd.Function):
         return grad, None
 
 
-class _RoundBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, caster):  # noqa: D102
-        ctx.caster = caster
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):  # noqa: D102
-        return ctx.caster(grad).to(grad.dtype), None
+def _round_gradient(
+    caster: Format | ScaledCast | _CountedCast,
+    grad: Tensor,
+    scale: Callable[[Tensor], Tensor] | None = None,
+) -> Tensor:
+    """``grad`` rounded by ``caster`` (scaled, counted or plain), in ``grad``'s dtype; with
+    ``scale``, rounded as ``grad * s`` and divided by ``s`` again."""
+    factor = None if scale is None else scale(grad).to(grad.dtype)
+    x = grad if factor is None else grad * factor
+    if isinstance(caster, ScaledCast):
+        rounded = caster(x).dequantize()
+    elif isinstance(caster, _CountedCast):
+        rounded = caster(x)
+    else:
+        rounded = quantize(x, caster)
+    rounded = rounded.to(grad.dtype)
+    return rounded if factor is None else rounded / factor

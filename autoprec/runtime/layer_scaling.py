@@ -18,11 +18,10 @@ in the rounding, as it would in fp16, and the step should be skipped (a
 ``LossScaler(kind="static", init_scale=1.0)`` does exactly that); the next scale then accounts
 for the larger amax. Non-finite amaxes are not recorded.
 
-The scaling is two tensor hooks per call (no extra autograd node and no copy, so in-place
-operations after the layer behave as without it), one on the layer's own output (unscale) and
-one on what the runtime's rounding returns (scale). Only the emulate mode has a place to put
-them: there the rounding of the output gradient is an explicit step of the runtime
-(:mod:`autoprec.runtime.casting`). Native autocast keeps the gradient inside the layer in fp16
+The scale plugs into the runtime's rounding of the output gradient (a tensor hook of
+:mod:`autoprec.runtime.casting`; no extra autograd node and no copy, so in-place operations
+after the layer behave as without it): scale, round, unscale in one step. Only the emulate mode
+has such a step. Native autocast keeps the gradient inside the layer in fp16
 and has no such step, so native handles are refused.
 
 Example:
@@ -37,12 +36,11 @@ Example:
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from autoprec.kernels import get_format
 from autoprec.precision import Precision, parse_precision
@@ -56,21 +54,6 @@ __all__ = ["DEFAULT_MARGIN", "LayerScaling", "apply_layer_scaling"]
 # next to overflow, which training resnet18 on digits does often
 # (`python experiments/overflow.py --layer-margin 0`).
 DEFAULT_MARGIN = 4
-
-
-class _Call:
-    """One forward call of a layer: the scale its backward pass uses (set when the gradient
-    reaches the layer's output, read when it leaves the rounding) and the hook that unscales."""
-
-    __slots__ = ("scale", "raw", "hook")
-
-    def __init__(self, raw: Tensor) -> None:
-        self.scale: Tensor | None = None
-        self.raw = id(raw)  # the layer's own output, before the runtime's rounding
-        self.hook = raw.register_hook(self.unscale)
-
-    def unscale(self, grad: Tensor) -> Tensor:
-        return grad if self.scale is None else grad / self.scale.to(grad.dtype)
 
 
 class _DelayedScale:
@@ -125,44 +108,13 @@ class _DelayedScale:
 
 
 class _ScaledLayer:
-    """The hooks and the delayed-scaling state of one layer."""
+    """The delayed-scaling state of one layer, plugged into its runtime slot."""
 
-    def __init__(self, name: str, module: nn.Module, fmt: str, history_len: int, margin: int):
+    def __init__(self, name: str, layer: Any, fmt: str, history_len: int, margin: int):
         self.name = name
-        self.module = module
+        self.layer = layer  # the runtime's per-layer state (PolicyHandle.layers[name])
         self.delayed = _DelayedScale(get_format(fmt).max_finite, history_len, margin)
-        self._pending: _Call | None = None
-        self.hooks = [
-            module.register_forward_hook(self._inner, prepend=True),  # before the rounding
-            module.register_forward_hook(self._outer),  # after it
-        ]
-
-    @staticmethod
-    def _first(output: Any) -> Tensor | None:
-        t = output[0] if isinstance(output, tuple) else output
-        if isinstance(t, Tensor) and t.is_floating_point() and t.requires_grad:
-            return t
-        return None
-
-    def _inner(self, module: nn.Module, args: tuple, output: Any) -> None:
-        """Before the runtime's hook: unscale the gradient of the layer's own output."""
-        t = self._first(output)
-        self._pending = None if t is None else _Call(t)
-
-    def _outer(self, module: nn.Module, args: tuple, output: Any) -> None:
-        """After the runtime's hook: scale the gradient arriving at the rounded output."""
-        call, self._pending = self._pending, None
-        if call is None:
-            return
-        t = self._first(output)
-        if t is None or id(t) == call.raw:  # nothing was rounded (e.g. promoted to fp32)
-            call.hook.remove()
-            return
-        t.register_hook(functools.partial(self._scale, call))
-
-    def _scale(self, call: _Call, grad: Tensor) -> Tensor:
-        call.scale = self.next_scale(grad)
-        return grad * call.scale.to(grad.dtype)
+        layer.gradient_scale = self.next_scale
 
     @torch.no_grad()
     def next_scale(self, grad: Tensor) -> Tensor:
@@ -174,9 +126,8 @@ class _ScaledLayer:
         return self.delayed.next(amax)
 
     def remove(self) -> None:
-        for hook in self.hooks:
-            hook.remove()
-        self.hooks = []
+        if self.layer.gradient_scale == self.next_scale:
+            self.layer.gradient_scale = None
 
 
 class LayerScaling:
@@ -262,7 +213,7 @@ def apply_layer_scaling(
     if Precision.FP8 in chosen:
         raise ValueError("fp8 layers already scale every tensor (delayed scaling); leave fp8 out")
     layers = {
-        name: _ScaledLayer(name, layer.module, layer.precision.backward_format, history_len, margin)
+        name: _ScaledLayer(name, layer, layer.precision.backward_format, history_len, margin)
         for name, layer in handle.layers.items()
         if layer.precision in chosen and layer.precision is not Precision.FP32
     }

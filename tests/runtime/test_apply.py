@@ -255,3 +255,29 @@ def test_state_dict_load_while_applied():
     with apply_policy(other, "bf16", mode="emulate"):
         want = other(x)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "fp8"])
+@pytest.mark.parametrize("count", [True, False])
+def test_in_place_activation_after_a_layer_trains_as_the_out_of_place_one(precision, count):
+    """torchvision's MobileNet/EfficientNet/VGG follow layers with ReLU(inplace=True): the
+    gradient rounding must not hand back a view that the in-place op may not modify."""
+
+    def net(inplace: bool) -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(
+            nn.Conv2d(3, 8, 3), nn.ReLU(inplace=inplace), nn.Flatten(), nn.Linear(128, 5)
+        )
+
+    x, y = torch.randn(4, 3, 6, 6), torch.randint(0, 5, (4,))
+    results = []
+    for inplace in (False, True):
+        model = net(inplace)
+        with apply_policy(model, precision, mode="emulate", guard=GuardConfig(count=count)):
+            results.append(grads_of(model, x, y))
+    (out_a, grads_a), (out_b, grads_b) = results
+    assert torch.equal(out_a, out_b)
+    assert all(torch.equal(grads_a[n], grads_b[n]) for n in grads_a)
+    # and the output gradient really was rounded: bf16/fp16/fp8 grads differ from fp32's
+    _, fp32_grads = grads_of(net(True), x, y)
+    assert not torch.equal(grads_b["0.weight"], fp32_grads["0.weight"])
