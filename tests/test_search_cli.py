@@ -116,7 +116,8 @@ def _tpe_search(storage: str, study: str) -> list[str]:
 def test_sigterm_exports_then_resume_finishes_the_budget(tmp_path):
     storage = f"sqlite:///{tmp_path / 'study.db'}"
     out = tmp_path / "best.yaml"
-    cmd = [*_tpe_search(storage, "killed"), "--out", str(out)]
+    # long enough trials (click keeps the last --steps) that the signal lands mid-search
+    cmd = [*_tpe_search(storage, "killed"), "--out", str(out), "--steps", "150"]
     env = {**os.environ}
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 240

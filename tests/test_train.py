@@ -68,7 +68,7 @@ def policy_file(tmp_path_factory) -> Path:
 
 
 def _cli(policy: Path, *extra: str) -> list[str]:
-    return ["train", "--model", "tinycnn", "--policy", str(policy), *extra]
+    return ["train", "--model", "tinycnn", "--dataset", "digits", "--policy", str(policy), *extra]
 
 
 # --- the command --------------------------------------------------------------------------------

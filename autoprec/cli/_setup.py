@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 FALLBACK_TARGET = "h100-sxm"
-SMALL_IMAGE = 32  # fine-tuning image size for torchvision models on a CPU (digits are 8x8)
+SMALL_IMAGE = 32  # fine-tuning image size for torchvision models on a CPU
 
 
 def resolve_target(name: str | None) -> tuple[Any, bool]:

@@ -21,6 +21,7 @@ from autoprec.data._base import DataBundle, DataRequest, DatasetError
 from autoprec.data.digits import load_digits_bundle
 from autoprec.data.folders import load_cifar_bundle, load_imagefolder_bundle
 from autoprec.data.synthetic import load_synthetic_bundle, load_tokens_bundle
+from autoprec.data.teacher import load_teacher_bundle
 
 _IMAGE = ("image-classification",)
 _TOKENS = ("sequence-classification", "token-classification")
@@ -41,6 +42,13 @@ _REGISTRY: dict[str, _Entry] = {
         "scikit-learn handwritten digits (1797 8x8 images), resized to the model; offline",
         _IMAGE,
         10,
+    ),
+    "teacher": _Entry(
+        load_teacher_bundle,
+        "smooth random images labelled by a fixed random conv network; harder than digits; "
+        "offline",
+        _IMAGE,
+        None,
     ),
     "synthetic": _Entry(
         load_synthetic_bundle,

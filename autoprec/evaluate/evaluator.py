@@ -65,8 +65,15 @@ SURROGATE_TAYLOR_ABOVE = 30  # more tunable layers than this: taylor sensitiviti
 SURROGATE_SWEEP_BATCHES = 2
 SURROGATE_TAYLOR_BATCHES = 4
 SURROGATE_BATCH_SIZE = 32
-FULL_STEPS = 200
-SHORT_STEPS = 30
+SHORT_STEPS = 10
+FULL_STEPS = 30
+# Fine-tunes per evaluation, each on batches of its own; the losses are averaged. On the
+# default task (resnet18, `teacher`) one 10-step fine-tune already ranks random policies the
+# same way from one batch order to the next (Spearman 0.84, median over pairs of 6 orders;
+# 0.93 for the mean of 2, 0.95 for 3; digits at 30 steps: 0.25): docs/benchmarks.md.
+SHORT_REPLICATES = 1
+FULL_REPLICATES = 3
+REPLICATE_SEED_STRIDE = 10_000  # replicate r of seed s fine-tunes on batches of s + r * stride
 # Fine-tuning under a policy: plain SGD at a fifth of the warm start's rate. With the warm
 # start's lr 0.05 and momentum 0.9 the 30-step loss is chaotic (tinycnn on digits: tf32 moves
 # it by -1.1% ± 2.4% over seeds, fp8 by +4% ± 91%); at 0.01 without momentum tf32 and fp16
@@ -131,13 +138,19 @@ class Evaluator:
         spec: a ModelSpec (``module``, ``loss``, ``logits``, ``name``); its module is not changed.
         data: a DataBundle (``loader``, ``fixed_batches``, ``key``).
         target: a device name or DeviceSpec; None detects the local one.
-        fidelity: default fidelity, ``"short"`` (``steps`` or 30 steps), ``"full"`` (200) or
-            ``"surrogate"`` (predicted, no training; see :meth:`evaluate`).
+        fidelity: default fidelity, ``"short"`` (``steps`` or 10 steps, ``replicates`` or one
+            fine-tune), ``"full"`` (three fine-tunes of 30 steps, averaged) or ``"surrogate"``
+            (predicted, no training; see :meth:`evaluate`).
         steps: fine-tuning steps at ``"short"`` fidelity.
+        replicates: fine-tunes at ``"short"`` fidelity, each from the warm start on batches of
+            its own; the scores are averaged (less dependence on one batch order).
         batch_size: examples per fine-tuning (and warm-start) step.
         lr: SGD learning rate (momentum 0.9) of the warm start.
         warm_start_steps: fp32 steps from the spec's weights before any policy is applied.
         seed: seeds the warm-start loader, the fixed batches and torch before each run.
+        batch_seed: seeds the fine-tuning batches (and torch) instead of ``seed``, keeping the
+            warm start of ``seed``: the same policies on another batch order, to measure how
+            much a score depends on it. None: ``seed``.
         cache_dir: where ``warmstart/*.pt`` and ``evaluations.sqlite`` live; None means
             ``$AUTOPREC_CACHE_DIR`` or ``~/.cache/autoprec``.
         cost_spec: the model as it will be trained in production, for the cost model's step
@@ -171,12 +184,14 @@ class Evaluator:
         fidelity: str = "short",
         *,
         steps: int | None = None,
+        replicates: int | None = None,
         batch_size: int = 32,
         lr: float = 0.05,
         finetune_lr: float | None = FINETUNE_LR,
         momentum: float = FINETUNE_MOMENTUM,
         warm_start_steps: int = 200,
         seed: int = 0,
+        batch_seed: int | None = None,
         cache_dir: str | Path | None = None,
         cost_spec: Any = None,
         cost_batch_size: int | None = None,
@@ -188,12 +203,16 @@ class Evaluator:
         if steps is not None and (not isinstance(steps, int) or steps < 1):
             raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
         self.steps = {"short": steps or SHORT_STEPS, "full": FULL_STEPS}
+        if replicates is not None and (not isinstance(replicates, int) or replicates < 1):
+            raise ValueError(f"replicates must be an integer >= 1, got {replicates!r}")
+        self.replicates = {"short": replicates or SHORT_REPLICATES, "full": FULL_REPLICATES}
         self.batch_size = batch_size
         self.lr = lr
         self.finetune_lr = lr if finetune_lr is None else finetune_lr
         self.momentum = momentum
         self.warm_start_steps = warm_start_steps
         self.seed = seed
+        self.batch_seed = seed if batch_seed is None else int(batch_seed)
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self.cost_spec = spec if cost_spec is None else cost_spec
         self.cost_batch_size = batch_size if cost_batch_size is None else int(cost_batch_size)
@@ -218,6 +237,8 @@ class Evaluator:
             "device": self.device.name,
             "mode": self.mode,
             "steps": self.steps,
+            "replicates": self.replicates,
+            "batch_seed": self.batch_seed,
         }
         self._settings_key = _sha([self.fingerprint, initial, data.key, seed, settings])
         self._store = EvaluationStore(self.cache_dir / "evaluations.sqlite")
@@ -385,40 +406,65 @@ class Evaluator:
 
     # --- one run ----------------------------------------------------------------------------
     def _run(self, policy: PrecisionPolicy, fidelity: str) -> _Run:
+        """Every replicate of ``fidelity``: losses and accuracy averaged, counts summed, step
+        times pooled; one diverging replicate makes the run diverged."""
         run = _Run()
         start = time.perf_counter()
         state = self._warm_start()
-        torch.manual_seed(self.seed)
         dev = torch.device("cuda") if self.measured else torch.device("cpu")
-        model = copy.deepcopy(self.spec.module)
-        model.load_state_dict(state)
-        model.to(dev)
-        batches = self.data.fixed_batches(self.steps[fidelity], self.batch_size, seed=self.seed)
         self.runs += 1
-        handle = None
-        try:
-            handle = apply_policy(model, policy, mode=self.mode)
-            scaler = LossScaler.from_config(policy.loss_scaling, device=dev)
-            opt = torch.optim.SGD(model.parameters(), lr=self.finetune_lr, momentum=self.momentum)
-            times = self._fine_tune(model, batches, opt, scaler, dev, run)
-            run.loss_scale = scaler.summary()
-            if not run.diverged:
-                run.loss, _ = self._score_split(model, "train", dev)
-                run.val_loss, run.accuracy = self._score_split(model, "val", dev)
-            if self.measured and times:
-                run.step_time_s = statistics.median(times)
-                run.memory_bytes = int(torch.cuda.max_memory_allocated(dev))
-        except torch.cuda.OutOfMemoryError:
-            log.warning("out of memory evaluating policy %s", policy.digest())
-            run.out_of_memory = run.diverged = True
-        except Exception:  # noqa: BLE001 - a bad policy must not end a search
-            log.exception("training failed for policy %s; counted as diverged", policy.digest())
-            run.diverged = True
-        finally:
-            if handle is not None:
-                totals = handle.totals()
-                run.overflows, run.underflows = totals["overflows"], totals["underflows"]
-                handle.remove()
+        losses, val_losses, accuracies, times = [], [], [], []
+        for replicate in range(self.replicates[fidelity]):
+            batch_seed = self.batch_seed + replicate * REPLICATE_SEED_STRIDE
+            torch.manual_seed(batch_seed)
+            model = copy.deepcopy(self.spec.module)
+            model.load_state_dict(state)
+            model.to(dev)
+            batches = self.data.fixed_batches(
+                self.steps[fidelity],
+                self.batch_size,
+                seed=batch_seed,
+            )
+            handle = None
+            try:
+                handle = apply_policy(model, policy, mode=self.mode)
+                scaler = LossScaler.from_config(policy.loss_scaling, device=dev)
+                opt = torch.optim.SGD(
+                    model.parameters(), lr=self.finetune_lr, momentum=self.momentum
+                )
+                times += self._fine_tune(model, batches, opt, scaler, dev, run)
+                run.loss_scale = scaler.summary()
+                if not run.diverged:
+                    losses.append(self._score_split(model, "train", dev)[0])
+                    val_loss, accuracy = self._score_split(model, "val", dev)
+                    val_losses.append(val_loss)
+                    accuracies.append(accuracy)
+                if self.measured and times:
+                    run.memory_bytes = max(
+                        run.memory_bytes or 0, int(torch.cuda.max_memory_allocated(dev))
+                    )
+            except torch.cuda.OutOfMemoryError:
+                log.warning("out of memory evaluating policy %s", policy.digest())
+                run.out_of_memory = run.diverged = True
+            except Exception:  # noqa: BLE001 - a bad policy must not end a search
+                log.exception(
+                    "training failed for policy %s; counted as diverged", policy.digest()
+                )
+                run.diverged = True
+            finally:
+                if handle is not None:
+                    totals = handle.totals()
+                    run.overflows += totals["overflows"]
+                    run.underflows += totals["underflows"]
+                    handle.remove()
+            if run.diverged:
+                break
+        if not run.diverged and losses:
+            run.loss = statistics.fmean(losses)
+            run.val_loss = statistics.fmean(val_losses)
+            run.accuracy = statistics.fmean(accuracies)
+        if self.measured and times:
+            run.step_time_s = statistics.median(times)
         run.wall_time_s = time.perf_counter() - start
         return run
 

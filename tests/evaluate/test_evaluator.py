@@ -144,3 +144,23 @@ def test_other_initial_weights_get_their_own_warm_start(spec, data):
     other = Evaluator(load_model("tinycnn", num_classes=10, seed=7), data, TARGET, **SMALL)
     assert a.warm_start_path == same.warm_start_path != other.warm_start_path
     assert a._key(a._as_policy("bf16"), "short") != other._key(other._as_policy("bf16"), "short")
+
+
+def test_replicates_average_fine_tunes_on_batches_of_their_own(spec, data):
+    from autoprec.evaluate.evaluator import REPLICATE_SEED_STRIDE
+
+    single = [
+        Evaluator(spec, data, TARGET, batch_seed=s, **SMALL).evaluate("fp8")
+        for s in (0, REPLICATE_SEED_STRIDE)
+    ]
+    assert single[0].loss != single[1].loss  # another batch order, another score
+    both = Evaluator(spec, data, TARGET, replicates=2, **SMALL)
+    m = both.evaluate("fp8")
+    assert m.loss == pytest.approx((single[0].loss + single[1].loss) / 2, rel=1e-12)
+    assert m.accuracy == pytest.approx((single[0].accuracy + single[1].accuracy) / 2)
+    # one warm start for every batch order: batch_seed does not retrain it
+    assert {Evaluator(spec, data, TARGET, batch_seed=7, **SMALL).warm_start_path} == {
+        both.warm_start_path
+    }
+    with pytest.raises(ValueError, match="replicates"):
+        Evaluator(spec, data, TARGET, replicates=0)
