@@ -1,14 +1,19 @@
 """Evaluator cost per fidelity, signal against noise, and how well the surrogate ranks policies.
 
-For each model on digits (32x32 for torchvision models), target h100-sxm, a fresh cache:
-1. wall time of the fp32 warm start + reference, and of one evaluation at each fidelity
-   (surrogate: first call, which builds the sensitivity table, and a later call);
-2. at `short` fidelity, the loss delta of every uniform policy for several seeds (each seed its
-   own warm start and batches): mean and standard deviation across seeds, so the gap between
-   fp32 (0 by construction) and the worst uniform policy can be read against the spread;
-3. the surrogate's predicted loss delta for N random policies, taken BEFORE those policies are
-   evaluated for real (it has only been fitted on the uniform policies of step 2), against the
-   `short` fidelity's measured loss delta: Spearman rank correlation (target 0.7 on resnet18).
+Target h100-sxm, torchvision models at 32x32, a fresh cache folder per (model, dataset).
+
+1. Wall time of the fp32 warm start + reference, and of one evaluation at each fidelity
+   (surrogate: the first call, which measures the sensitivity table, and a later call).
+2. Gap against spread: at `short` fidelity, the loss delta of every uniform policy for several
+   seeds (each seed its own warm start and batches): mean and standard deviation over seeds.
+3. Repeatability: N random policies evaluated at `short` on two batch orders from the same warm
+   start (`batch_seed`); Spearman between the two. A score that ranks policies differently
+   when only the order of the fine-tuning batches changes measures that order, not precision.
+4. The surrogate against `short` on N held-out random policies, predicted before they are
+   evaluated, (a) fitted only on the uniform policies, (b) refit, as in a search, on the
+   uniform policies plus N other random policies evaluated for real. The random policies of the
+   benchmark are drawn with seeds of their own (1, 2), not the ones the surrogate's settings
+   were studied on.
 
     python experiments/bench_evaluator.py --write-docs
 """
@@ -27,17 +32,21 @@ from benchlib import provenance, write_section
 from scipy.stats import spearmanr
 
 from autoprec.data import load_dataset_for
+from autoprec.defaults import DEFAULT_DATASET
 from autoprec.evaluate import Evaluator
 from autoprec.layers import tunable_layers
 from autoprec.models import load_model
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "fp8")
+OTHER_ORDER = 1  # batch_seed of the repeat measurement
 
 
 @dataclass
 class Args:
-    models: list[str] = field(default_factory=lambda: ["tinycnn", "resnet18"])
-    timing_models: list[str] = field(default_factory=lambda: ["resnet50"])
+    rank_models: list[str] = field(default_factory=lambda: ["tinycnn", "resnet18"])
+    timing_models: list[str] = field(default_factory=lambda: ["tinycnn", "resnet18", "resnet50"])
+    datasets: list[str] = field(default_factory=lambda: [DEFAULT_DATASET, "digits"])
+    steps: list[int] = field(default_factory=lambda: [10, 30])
     seeds: int = 3
     policies: int = 30
     target: str = "h100-sxm"
@@ -47,17 +56,19 @@ class Args:
 def parse() -> Args:
     a = Args()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", nargs="+", default=a.models)
-    p.add_argument(
-        "--timing-models", nargs="*", default=a.timing_models, help="wall times only (step 1)"
-    )
+    p.add_argument("--rank-models", nargs="*", default=a.rank_models)
+    p.add_argument("--timing-models", nargs="*", default=a.timing_models)
+    p.add_argument("--datasets", nargs="+", default=a.datasets)
+    p.add_argument("--steps", nargs="+", type=int, default=a.steps, help="short steps compared")
     p.add_argument("--seeds", type=int, default=a.seeds)
     p.add_argument("--policies", type=int, default=a.policies)
     p.add_argument("--write-docs", action="store_true")
     ns = p.parse_args()
     return Args(
-        models=ns.models,
+        rank_models=ns.rank_models,
         timing_models=ns.timing_models,
+        datasets=ns.datasets,
+        steps=ns.steps,
         seeds=ns.seeds,
         policies=ns.policies,
         write_docs=ns.write_docs,
@@ -70,61 +81,107 @@ def timed(fn):
     return out, time.perf_counter() - start
 
 
+def setup(name: str, dataset: str):
+    size = None if name in ("tinycnn", "mlp") else 32
+    spec = load_model(name, num_classes=10, image_size=size)
+    data = load_dataset_for(spec, dataset, seed=0)
+    cache = tempfile.mkdtemp(prefix="autoprec-bench-")
+    os.environ["AUTOPREC_CACHE_DIR"] = cache  # sensitivity tables too: nothing reused
+    return spec, data, cache
+
+
+def random_policies(spec, n: int, seed: int) -> list[dict[str, str]]:
+    rng = np.random.default_rng(seed)
+    layers = [name for name, _ in tunable_layers(spec.module)]
+    return [{layer: str(rng.choice(PRECISIONS)) for layer in layers} for _ in range(n)]
+
+
+def rho(a, b) -> float:
+    return float(spearmanr(a, b).statistic)
+
+
 def main() -> None:
     args = parse()
     cost_rows, noise_rows, rank_rows = [], [], []
-    for name in [*args.models, *args.timing_models]:
-        size = None if name in ("tinycnn", "mlp") else 32
-        spec = load_model(name, num_classes=10, image_size=size)
-        data = load_dataset_for(spec, "digits", seed=0)
-        cache = tempfile.mkdtemp(prefix="autoprec-bench-")
-        os.environ["AUTOPREC_CACHE_DIR"] = cache  # sensitivity tables too: nothing reused
-        evaluators = [
-            Evaluator(spec, data, target=args.target, seed=s, cache_dir=cache)
-            for s in range(args.seeds)
-        ]
-        ev = evaluators[0]
-        _, t_ref = timed(ev.reference)
-        _, t_short = timed(lambda ev=ev: ev.evaluate("bf16"))
-        _, t_full = timed(lambda ev=ev: ev.evaluate("bf16", fidelity="full"))
-        _, t_sur_first = timed(lambda ev=ev: ev.evaluate("fp16", fidelity="surrogate"))
-        _, t_sur = timed(lambda ev=ev: ev.evaluate("fp8", fidelity="surrogate"))
-        cost_rows.append(
-            f"| {name} | {len(list(tunable_layers(spec.module)))} | {t_ref:.1f} | {t_short:.1f} "
-            f"| {t_full:.1f} | {t_sur_first:.1f} | {t_sur * 1e3:.1f} |"
-        )
-        print(cost_rows[-1], flush=True)
-        if name not in args.models:
-            continue
+    for name in args.timing_models:
+        for dataset in args.datasets:
+            spec, data, cache = setup(name, dataset)
+            ev = Evaluator(spec, data, target=args.target, cache_dir=cache)
+            _, t_ref = timed(ev.reference)
+            _, t_short = timed(lambda ev=ev: ev.evaluate("bf16"))
+            _, t_full = timed(lambda ev=ev: ev.evaluate("bf16", fidelity="full"))
+            _, t_sur_first = timed(lambda ev=ev: ev.evaluate("fp16", fidelity="surrogate"))
+            _, t_sur = timed(lambda ev=ev: ev.evaluate("fp8", fidelity="surrogate"))
+            n_layers = len(list(tunable_layers(spec.module)))
+            cost_rows.append(
+                f"| {name} | {dataset} | {n_layers} | {t_ref:.1f} | {t_short:.1f} "
+                f"| {t_full:.1f} | {t_sur_first:.1f} | {t_sur * 1e3:.1f} |"
+            )
+            print(cost_rows[-1], flush=True)
 
-        deltas = {p: [e.evaluate(p).loss_delta for e in evaluators] for p in PRECISIONS}
-        cells = []
-        for p in PRECISIONS[1:]:
-            d = deltas[p]
-            spread = statistics.stdev(d) if len(d) > 1 else 0.0
-            cells.append(f"{statistics.mean(d):+.4f} ± {spread:.4f}")
-        noise_rows.append(f"| {name} | {args.seeds} | " + " | ".join(cells) + " |")
-        print(noise_rows[-1], flush=True)
+    for name in args.rank_models:
+        for dataset in args.datasets:
+            spec, data, cache = setup(name, dataset)
+            evaluators = [
+                Evaluator(spec, data, target=args.target, seed=s, cache_dir=cache)
+                for s in range(args.seeds)
+            ]
+            deltas = {p: [e.evaluate(p).loss_delta for e in evaluators] for p in PRECISIONS}
+            cells = []
+            for p in PRECISIONS[1:]:
+                d = deltas[p]
+                spread = statistics.stdev(d) if len(d) > 1 else 0.0
+                snr = abs(statistics.mean(d)) / spread if spread > 0 else float("inf")
+                cells.append(f"{statistics.mean(d):+.4f} ± {spread:.4f} ({snr:.1f})")
+            ref = evaluators[0].reference()
+            noise_rows.append(
+                f"| {name} | {dataset} | {ref.loss:.3f} | {ref.fp32_accuracy:.3f} | "
+                f"{args.seeds} | " + " | ".join(cells) + " |"
+            )
+            print(noise_rows[-1], flush=True)
 
-        rng = np.random.default_rng(0)
-        layers = [n for n, _ in tunable_layers(spec.module)]
-        policies = [{n: str(rng.choice(PRECISIONS)) for n in layers} for _ in range(args.policies)]
-        predicted = [ev.evaluate(p, fidelity="surrogate").loss_delta for p in policies]
-        measured = [ev.evaluate(p).loss_delta for p in policies]
-        rho = spearmanr(predicted, measured).statistic
-        rank_rows.append(f"| {name} | {args.policies} | {rho:.2f} |")
-        print(rank_rows[-1], flush=True)
+            train = random_policies(spec, args.policies, seed=1)
+            test = random_policies(spec, args.policies, seed=2)
+            for steps in args.steps:
+                ev = Evaluator(spec, data, target=args.target, steps=steps, cache_dir=cache)
+                uniform = [ev.evaluate(p) for p in PRECISIONS]  # fits the surrogate
+                if any(m.diverged for m in uniform):
+                    raise SystemExit(f"{name} on {dataset}: a uniform policy diverged")
+                only_uniform = [ev.evaluate(p, fidelity="surrogate").loss_delta for p in test]
+                for p in train:
+                    ev.evaluate(p)
+                refit = [ev.evaluate(p, fidelity="surrogate").loss_delta for p in test]
+                measured = [ev.evaluate(p).loss_delta for p in test]
+                other = Evaluator(
+                    spec,
+                    data,
+                    target=args.target,
+                    steps=steps,
+                    batch_seed=OTHER_ORDER,
+                    cache_dir=cache,
+                )
+                repeat = [other.evaluate(p).loss_delta for p in test]
+                rank_rows.append(
+                    f"| {name} | {dataset} | {steps} | {args.policies} | "
+                    f"{float(np.std(measured)):.5f} | {rho(measured, repeat):.2f} | "
+                    f"{rho(only_uniform, measured):.2f} | {rho(refit, measured):.2f} |"
+                )
+                print(rank_rows[-1], flush=True)
 
-    header = provenance(
+    command = (
         "python experiments/bench_evaluator.py "
-        + " ".join(["--models", *args.models, "--timing-models", *args.timing_models])
+        + " ".join(["--rank-models", *args.rank_models, "--timing-models", *args.timing_models])
+        + " "
+        + " ".join(["--datasets", *args.datasets, "--steps", *map(str, args.steps)])
         + f" --seeds {args.seeds} --policies {args.policies} --write-docs"
-    ) + (
-        f"Target {args.target}; digits (32x32 for torchvision models); a fresh cache per model; "
-        "defaults: 200 fp32 warm-start steps (SGD lr 0.05, momentum 0.9), `short` = 30 and "
-        "`full` = 200 fine-tune steps at batch 32 (SGD lr 0.01, no momentum), scored by the "
-        "loss over the whole training split with the policy applied. The surrogate's "
-        "sensitivity table is measured on the same warm start."
+    )
+    header = provenance(command) + (
+        f"Target {args.target}; torchvision models at 32x32; a fresh cache folder per model and "
+        "dataset. Evaluator defaults: 200 fp32 warm-start steps (SGD lr 0.05, momentum 0.9) at "
+        "batch 32; `short` = one fine-tune of 10 steps, `full` = three of 30 (averaged), at "
+        "batch 32, SGD lr 0.01 without momentum; scored by the loss over the whole training "
+        "split with the policy applied. The surrogate's sensitivity table is measured on the "
+        "same warm start."
     )
     body = "\n".join(
         [
@@ -132,23 +189,29 @@ def main() -> None:
             "",
             "Wall time per evaluation (seconds; the reference includes training the warm start):",
             "",
-            "| model | layers | warm start + fp32 reference | short | full | surrogate, first "
-            "call | surrogate, later call (ms) |",
-            "|---|---:|---:|---:|---:|---:|---:|",
+            "| model | dataset | layers | warm start + fp32 reference | short | full | "
+            "surrogate, first call | surrogate, later call (ms) |",
+            "|---|---|---:|---:|---:|---:|---:|---:|",
             *cost_rows,
             "",
             "Loss delta against fp32 at `short` fidelity, mean ± standard deviation over seeds "
-            "(fp32 is 0 by construction):",
+            "(each seed its own warm start and batches; in brackets |mean| / sd). fp32 is 0 by "
+            "construction; its training loss and validation accuracy (seed 0) are given:",
             "",
-            "| model | seeds | tf32 | bf16 | fp16 | fp8 |",
-            "|---|---:|---:|---:|---:|---:|",
+            "| model | dataset | fp32 loss | fp32 accuracy | seeds | tf32 | bf16 | fp16 | fp8 |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|",
             *noise_rows,
             "",
-            "Surrogate (fitted only on the uniform policies above) against `short`, random "
-            "policies:",
+            "Random policies (each layer's precision uniform over fp32, tf32, bf16, fp16, fp8), "
+            "at `short` with the given steps: the spread (sd) of their loss deltas; "
+            "repeatability, the Spearman correlation of their loss deltas on two batch orders "
+            "from one warm start; and the surrogate's Spearman correlation with the measured "
+            "deltas of held-out policies, fitted on the 5 uniform policies only, and refit on "
+            "those plus as many other random policies as there are held-out ones:",
             "",
-            "| model | policies | Spearman |",
-            "|---|---:|---:|",
+            "| model | dataset | steps | policies | sd of loss delta | repeatability | "
+            "surrogate, uniform fit | surrogate, refit |",
+            "|---|---|---:|---:|---:|---:|---:|---:|",
             *rank_rows,
             "",
         ]

@@ -1,22 +1,31 @@
-"""A sensitivity-based predictor of a policy's ``loss_delta``: the ``surrogate`` fidelity.
+"""A predictor of a policy's ``loss_delta`` from per-layer sensitivities: the ``surrogate``
+fidelity.
 
-A policy is reduced to five features computed from a per-layer
-:class:`~autoprec.graph.grade.SensitivityTable` (every feature is 0 for uniform fp32):
+The model is additive over layers, the structure the real evaluations have (on resnet18 with
+the default task, which layers run in fp8 explains most of the differences between random
+policies; docs/benchmarks.md, "Policy evaluator"):
 
-0. ``grad_distance``: sum over layers of ``1 - gradient cosine`` at the layer's precision;
-1. ``abs_loss_delta``: sum over layers of ``|loss_delta|`` at the layer's precision (a
-   non-finite entry, a layer that diverged on its own, counts as 10);
-2. ``fp8_fraction``: share of the table's layers in fp8;
-3. ``fp16_fraction``: share of the table's layers in fp16;
-4. ``lowered``: 1 if any layer is below fp32, else 0 (the bias term; it is 0 for fp32 so that
-   uniform fp32, the reference itself, always predicts exactly 0).
+    loss_delta(policy) = sum_p a[p] * share_p(policy) + sum_l b[l, policy[l]]
 
-The prediction is ``weights . features``. Before any :meth:`Surrogate.fit` the weights are
-:data:`DEFAULT_WEIGHTS`: ``loss_delta ~= 1 x (sum of the layers' |loss_delta| sensitivities)``,
-i.e. one-layer loss changes are assumed to add up. :meth:`Surrogate.fit` refits the weights on
-real evaluations by ridge least squares on RMS-scaled features, shrunk towards the default
-weights (not towards 0), so a handful of observations corrects the default without wild
-extrapolation, and the in-sample squared error never exceeds the default's.
+with ``share_p`` the share of the table's layers at precision ``p``, one shared term ``a[p]``
+per precision and one term ``b[l, p]`` per layer and precision (fp32 terms are 0, so uniform
+fp32, the reference itself, always predicts exactly 0). It is a Bayesian linear regression:
+
+- prior means from a :class:`~autoprec.graph.grade.SensitivityTable` ``s[l, p]`` (the signed
+  one-layer loss change; a non-finite entry, a layer that diverged on its own, counts as 10):
+  ``a[p] = sum_l s[l, p]`` (the uniform policy at ``p`` is predicted as the sum of its
+  one-layer changes) and ``b[l, p] = 0``. The table's per-layer deviations are not used as
+  means: on resnet18 they did not rank the per-layer terms that real evaluations reveal, and
+  using them made the refit surrogate worse (docs/benchmarks.md);
+- prior standard deviations: ``b[l, p]`` has ``tau[p]``, the RMS of the table's column ``p``,
+  so precisions whose one-layer effects are tiny (tf32, fp16) keep per-layer terms near 0 and
+  precisions with large effects (fp8) are learnt layer by layer from real evaluations;
+  ``a[p]`` is broad (:data:`SHARED_PRIOR_RATIO` times the largest ``tau``);
+- observation noise ``noise_ratio`` times the largest ``tau``.
+
+:meth:`Surrogate.fit` sets the weights to the posterior mean given real evaluations (the
+evaluator refits on every one), so a handful of observations corrects the shared terms and
+more of them the layers that matter.
 
 Example:
     >>> s = Surrogate(table)  # doctest: +SKIP
@@ -28,86 +37,93 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
 
 from autoprec.precision import Precision, parse_precision
 
-FEATURES = ("grad_distance", "abs_loss_delta", "fp8_fraction", "fp16_fraction", "lowered")
-DEFAULT_WEIGHTS = np.array([0.0, 1.0, 0.0, 0.0, 0.0])
-NONFINITE_LOSS_DELTA = 10.0  # |loss_delta| given to a table entry that is inf or nan
+NONFINITE_LOSS_DELTA = 10.0  # loss delta given to a table entry that is inf or nan
+SHARED_PRIOR_RATIO = 30.0  # prior sd of a[p] / largest tau
+DEFAULT_NOISE_RATIO = 1.0 / 3.0  # observation noise sd / largest tau
+TAU_FLOOR = 1e-9
 
 
 class Surrogate:
-    """Linear predictor of ``loss_delta`` from a sensitivity table.
+    """Additive Bayesian predictor of ``loss_delta`` (see the module docstring).
 
     Args:
         table: a SensitivityTable (``layers``, ``precisions``, ``matrix(...)``).
-        ridge: strength of the pull towards :data:`DEFAULT_WEIGHTS` in :meth:`fit` (on
-            features scaled to unit RMS over the fitted pairs).
+        noise_ratio: observation noise relative to the largest per-layer prior scale; larger
+            trusts the sensitivity prior more and the real evaluations less.
 
     Attributes:
-        weights: current weights, one per name in :data:`FEATURES`.
-        n_fitted: how many pairs the last :meth:`fit` used (0: default weights).
+        precisions: the non-fp32 precisions of the table, the order of the shared terms.
+        weights: the current weights: ``len(precisions)`` shared terms, then ``layers x
+            precisions`` per-layer terms (row-major by layer).
+        prior: the prior means (the weights before any fit).
+        n_fitted: how many pairs the last :meth:`fit` used (0: the prior).
     """
 
-    def __init__(self, table: Any, *, ridge: float = 1e-2) -> None:
-        if ridge < 0:
-            raise ValueError(f"ridge must be >= 0, got {ridge!r}")
+    def __init__(self, table: Any, *, noise_ratio: float = DEFAULT_NOISE_RATIO) -> None:
+        if not noise_ratio > 0:
+            raise ValueError(f"noise_ratio must be > 0, got {noise_ratio!r}")
         self.table = table
-        self.ridge = float(ridge)
+        self.noise_ratio = float(noise_ratio)
         self.layers = tuple(table.layers)
-        dist = table.matrix("grad_distance")
+        self._layer_index = {name: i for i, name in enumerate(self.layers)}
+        graded = [parse_precision(p) for p in table.precisions]
+        self.precisions = tuple(p for p in graded if p is not Precision.FP32)
+        self._precision_index = {p: j for j, p in enumerate(self.precisions)}
+        n_layers, n_prec = len(self.layers), len(self.precisions)
+        s = np.zeros((n_layers, n_prec))
         loss = table.matrix("loss_delta")
-        # layer -> precision value -> (grad distance, |loss delta|), sanitised to be finite
-        self._lookup: dict[str, dict[str, tuple[float, float]]] = {}
-        for i, layer in enumerate(self.layers):
-            row: dict[str, tuple[float, float]] = {}
-            for j, p in enumerate(table.precisions):
-                d, ld = dist[i][j], abs(loss[i][j])
-                d = d if math.isfinite(d) else 2.0
-                ld = ld if math.isfinite(ld) else NONFINITE_LOSS_DELTA
-                row[str(parse_precision(p).value)] = (d, ld)
-            self._lookup[layer] = row
-        self.weights = DEFAULT_WEIGHTS.copy()
+        for j_table, p in enumerate(graded):
+            if p is Precision.FP32:
+                continue
+            column = [row[j_table] for row in loss]
+            s[:, self._precision_index[p]] = [
+                v if math.isfinite(v) else NONFINITE_LOSS_DELTA for v in column
+            ]
+        self.prior = np.concatenate([s.sum(axis=0), np.zeros(n_layers * n_prec)])
+        tau = np.maximum(np.sqrt(np.mean(s**2, axis=0)) if n_layers else np.zeros(n_prec), 0)
+        tau = np.maximum(tau, TAU_FLOOR)
+        largest = float(tau.max()) if n_prec else 1.0
+        self._prior_sd = np.concatenate(
+            [np.full(n_prec, SHARED_PRIOR_RATIO * largest), np.tile(tau, n_layers)]
+        )
+        self._noise_sd = self.noise_ratio * largest
+        self.weights = self.prior.copy()
         self.n_fitted = 0
 
     def features(self, precisions: Mapping[str, Any]) -> np.ndarray:
-        """Feature vector (see :data:`FEATURES`) of ``{layer: precision}``.
+        """The feature vector of ``{layer: precision}`` (shares, then per-layer indicators).
 
-        Layers missing from ``precisions`` count as fp32; layers not in the table are ignored.
-        A precision the table did not grade contributes 0 sensitivity (its counts still apply).
+        Layers missing from ``precisions`` count as fp32; layers not in the table are ignored,
+        and so are precisions the table did not grade.
         """
-        n = max(len(self.layers), 1)
-        dist = loss = 0.0
-        fp8 = fp16 = 0
-        lowered = 0.0
+        n_prec = len(self.precisions)
+        x = np.zeros(n_prec * (1 + len(self.layers)))
+        share = 1.0 / max(len(self.layers), 1)
         for layer, value in precisions.items():
-            row = self._lookup.get(layer)
-            if row is None:
+            i = self._layer_index.get(layer)
+            j = self._precision_index.get(parse_precision(value))
+            if i is None or j is None:
                 continue
-            p = parse_precision(value)
-            if p is Precision.FP32:
-                continue
-            lowered = 1.0
-            fp8 += p is Precision.FP8
-            fp16 += p is Precision.FP16
-            d, ld = row.get(p.value, (0.0, 0.0))
-            dist += d
-            loss += ld
-        return np.array([dist, loss, fp8 / n, fp16 / n, lowered])
+            x[j] += share
+            x[n_prec + i * n_prec + j] = 1.0
+        return x
 
     def predict(self, precisions: Mapping[str, Any]) -> float:
         """Predicted ``loss_delta`` (relative loss change vs fp32) of ``{layer: precision}``."""
         return float(self.weights @ self.features(precisions))
 
     def fit(self, pairs: Iterable[tuple[Mapping[str, Any], float]]) -> np.ndarray:
-        """Refit the weights on ``(precisions, observed loss_delta)`` pairs; returns them.
+        """Posterior-mean weights given ``(precisions, observed loss_delta)`` pairs.
 
         Non-finite observations are skipped (pass only runs that did not diverge). With no
-        usable pair the weights go back to :data:`DEFAULT_WEIGHTS`.
+        usable pair the weights go back to the prior. Returns the weights.
         """
         rows, ys = [], []
         for precisions, observed in pairs:
@@ -116,30 +132,28 @@ class Surrogate:
             rows.append(self.features(precisions))
             ys.append(float(observed))
         if not rows:
-            self.weights, self.n_fitted = DEFAULT_WEIGHTS.copy(), 0
+            self.weights, self.n_fitted = self.prior.copy(), 0
             return self.weights
         x, y = np.stack(rows), np.array(ys)
-        self.weights = _ridge_towards(x, y, DEFAULT_WEIGHTS, self.ridge)
+        # MAP of y ~ N(x w, noise^2), w ~ N(prior, diag(sd^2)), in the residual form
+        # w = prior + D x^T (x D x^T + noise^2 I)^-1 (y - x prior): one solve of size n pairs
+        d = self._prior_sd**2
+        gram = (x * d) @ x.T + self._noise_sd**2 * np.eye(len(y))
+        residual = y - x @ self.prior
+        self.weights = self.prior + d * (x.T @ np.linalg.solve(gram, residual))
         self.n_fitted = len(ys)
         return self.weights
 
     def explain(self, precisions: Mapping[str, Any]) -> dict[str, float]:
-        """Each feature's contribution (``weight x value``) to :meth:`predict`."""
-        return dict(zip(FEATURES, (self.weights * self.features(precisions)).tolist(), strict=True))
-
-
-def _ridge_towards(x: np.ndarray, y: np.ndarray, prior: Sequence[float], lam: float) -> np.ndarray:
-    """argmin_w ``|x w - y|^2 + lam |S (w - prior)|^2``, S = the columns' RMS (1 if zero).
-
-    Solved in the scaled space ``x' = x / S`` (so ``lam`` means the same whatever the units),
-    with a least-squares solve so that rank-deficient problems (few pairs) stay well defined.
-    """
-    scale = np.sqrt(np.mean(x**2, axis=0))
-    scale = np.where(scale > 1e-12, scale, 1.0)
-    xs = x / scale
-    prior_s = np.asarray(prior, dtype=float) * scale
-    k = xs.shape[1]
-    a = np.vstack([xs, math.sqrt(lam) * np.eye(k)])
-    b = np.concatenate([y, math.sqrt(lam) * prior_s])
-    w_s, *_ = np.linalg.lstsq(a, b, rcond=None)
-    return w_s / scale
+        """Each layer's contribution to :meth:`predict` (its share of the shared terms plus its
+        own term), by layer name; fp32 and unknown layers contribute nothing."""
+        n_prec = len(self.precisions)
+        share = 1.0 / max(len(self.layers), 1)
+        out: dict[str, float] = {}
+        for layer, value in precisions.items():
+            i = self._layer_index.get(layer)
+            j = self._precision_index.get(parse_precision(value))
+            if i is None or j is None:
+                continue
+            out[layer] = float(share * self.weights[j] + self.weights[n_prec + i * n_prec + j])
+        return out

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from autoprec.evaluate import Evaluator
-from autoprec.evaluate.surrogate import DEFAULT_WEIGHTS, Surrogate
+from autoprec.evaluate.surrogate import SHARED_PRIOR_RATIO, Surrogate
 from autoprec.graph.grade import SensitivityTable
 
 SMALL = {"steps": 6, "warm_start_steps": 30}
@@ -26,20 +26,25 @@ def _table() -> SensitivityTable:
     )
 
 
-def test_default_prediction_sums_sensitivity_magnitudes():
+def test_prior_prediction_spreads_each_precisions_summed_sensitivity_over_its_layers():
     s = Surrogate(_table())
     assert s.predict({"a": "fp32", "b": "fp32"}) == 0.0
     assert s.predict({}) == 0.0  # missing layers are fp32
-    assert s.predict({"a": "bf16", "b": "bf16"}) == pytest.approx(0.003)
-    assert s.predict({"a": "fp8"}) == pytest.approx(0.01)
-    assert s.predict({"b": "fp8"}) == pytest.approx(10.0)  # non-finite entry -> 10
+    # uniform policies: the sum of the one-layer changes (signed)
+    assert s.predict({"a": "bf16", "b": "bf16"}) == pytest.approx(0.001 - 0.002)
+    assert s.predict({"a": "fp16", "b": "fp16"}) == pytest.approx(-0.0005 + 0.001)
+    assert s.predict({"a": "fp8", "b": "fp8"}) == pytest.approx(0.01 + 10.0)  # inf -> 10
+    # mixed: each precision's sum times the share of layers at it (no per-layer prior)
+    assert s.predict({"a": "fp8"}) == pytest.approx(0.5 * 10.01)
+    assert s.predict({"a": "fp8", "b": "bf16"}) == pytest.approx(0.5 * 10.01 + 0.5 * -0.001)
     f = s.features({"a": "fp8", "b": "fp16", "zzz": "fp8"})  # unknown layer ignored
-    np.testing.assert_allclose(f, [0.01 + 0.0001, 0.011, 0.5, 0.5, 1.0])
-    assert set(s.explain({"a": "fp8"})) >= {"abs_loss_delta", "lowered"}
+    # shares (bf16, fp16, fp8), then indicators of layer a, then of layer b
+    np.testing.assert_array_equal(f, [0, 0.5, 0.5, 0, 0, 1, 0, 1, 0])
+    assert s.explain({"a": "fp8", "b": "fp32"}) == {"a": pytest.approx(0.5 * 10.01)}
 
 
-def test_fit_reduces_error_and_resets_without_pairs():
-    s = Surrogate(_table())
+def test_fit_is_the_bayesian_posterior_mean():
+    s = Surrogate(_table(), noise_ratio=0.5)
     pairs = [
         ({"a": "bf16"}, 0.004),
         ({"a": "fp8"}, 0.03),
@@ -48,19 +53,55 @@ def test_fit_reduces_error_and_resets_without_pairs():
         ({"b": "bf16"}, math.nan),  # skipped
     ]
     usable = pairs[:4]
-
-    def sq_error():
-        return sum((s.predict(p) - y) ** 2 for p, y in usable)
-
-    before = sq_error()
-    s.fit(pairs)
+    w = s.fit(pairs)
     assert s.n_fitted == 4
-    assert sq_error() < 0.5 * before
+    # oracle: the normal equations (x'x/noise^2 + D^-1) w = x'y/noise^2 + D^-1 prior
+    x = np.stack([s.features(p) for p, _ in usable])
+    y = np.array([v for _, v in usable])
+    tau = np.sqrt(np.mean(np.array([[0.001, -0.0005, 0.01], [-0.002, 0.001, 10.0]]) ** 2, 0))
+    sd = np.concatenate([np.full(3, SHARED_PRIOR_RATIO * tau.max()), np.tile(tau, 2)])
+    noise = 0.5 * tau.max()
+    lhs = x.T @ x / noise**2 + np.diag(1 / sd**2)
+    rhs = x.T @ y / noise**2 + s.prior / sd**2
+    np.testing.assert_allclose(w, np.linalg.solve(lhs, rhs), rtol=1e-6, atol=1e-9)
+    before = Surrogate(_table(), noise_ratio=0.5)
+    err = [sum((m.predict(p) - v) ** 2 for p, v in usable) for m in (before, s)]
+    assert err[1] < 0.1 * err[0]
     assert s.predict({}) == 0.0  # fp32 stays exactly 0 whatever the weights
     s.fit([])
-    np.testing.assert_array_equal(s.weights, DEFAULT_WEIGHTS)
-    with pytest.raises(ValueError, match="ridge"):
-        Surrogate(_table(), ridge=-1)
+    np.testing.assert_array_equal(s.weights, s.prior)
+    with pytest.raises(ValueError, match="noise_ratio"):
+        Surrogate(_table(), noise_ratio=0)
+
+
+def test_many_observations_learn_which_layer_hurts():
+    """Per-layer terms: with enough pairs, the surrogate ranks policies by the layer that
+    matters even though the prior knows nothing per layer."""
+    layers = tuple(f"l{i}" for i in range(6))
+    table = SensitivityTable(
+        "sweep",
+        "toy",
+        "fp",
+        "data",
+        layers,
+        ("fp32", "fp8"),
+        tuple((0.0, 0.01) for _ in layers),
+        tuple((1.0, 0.99) for _ in layers),
+        1.0,
+        0.0,
+        {},
+    )
+    rng = np.random.default_rng(0)
+    truth = np.array([0.0, 0.05, 0.0, 0.0, 0.02, 0.0])  # l1 and l4 hurt in fp8
+    policies = [{n: ("fp8" if rng.random() < 0.5 else "fp32") for n in layers} for _ in range(40)]
+    observed = [sum(truth[i] for i, n in enumerate(layers) if p[n] == "fp8") for p in policies]
+    s = Surrogate(table)
+    s.fit(zip(policies[:25], observed[:25], strict=True))
+    held_out = [s.predict(p) for p in policies[25:]]
+    from scipy.stats import spearmanr
+
+    assert spearmanr(held_out, observed[25:]).statistic > 0.9
+    assert s.predict({"l1": "fp8"}) > s.predict({"l0": "fp8"})
 
 
 def test_surrogate_fidelity_is_fast_finite_ordered_and_not_stored(spec, data):
@@ -87,10 +128,14 @@ def test_surrogate_fidelity_is_fast_finite_ordered_and_not_stored(spec, data):
 
     fp8 = ev.evaluate("fp8", fidelity="surrogate")
     fp32 = ev.evaluate("fp32", fidelity="surrogate")
-    fresh = Evaluator(spec, data, TARGET, **SMALL)  # ordering of the default (unfitted) model
-    default = {p: fresh.evaluate(p, fidelity="surrogate").loss_delta for p in ("fp8", "bf16")}
-    assert default["fp8"] > default["bf16"] > 0.0
-    assert fp32.loss_delta == 0.0 and fp8.loss_delta > 0.0
+    fresh = Evaluator(spec, data, TARGET, **SMALL)  # the unfitted model: summed sensitivities
+    table = fresh.surrogate().table
+    for p in ("fp8", "bf16"):
+        column = table.matrix("loss_delta")
+        summed = sum(row[table.precisions.index(p)] for row in column)
+        predicted = fresh.evaluate(p, fidelity="surrogate").loss_delta
+        assert predicted == pytest.approx(min(max(summed, -0.99), 9.0))
+    assert fp32.loss_delta == 0.0
     assert not fp8.feasible  # no fp8 on an A100: flagged as for real runs
     assert ev._store.get(ev._key(ev._as_policy("fp8"), "surrogate")) is None  # not cached
 
