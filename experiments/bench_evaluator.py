@@ -50,6 +50,7 @@ class Args:
     seeds: int = 3
     policies: int = 30
     target: str = "h100-sxm"
+    cache_root: str | None = None
     write_docs: bool = False
 
 
@@ -62,6 +63,12 @@ def parse() -> Args:
     p.add_argument("--steps", nargs="+", type=int, default=a.steps, help="short steps compared")
     p.add_argument("--seeds", type=int, default=a.seeds)
     p.add_argument("--policies", type=int, default=a.policies)
+    p.add_argument(
+        "--cache-root",
+        default=None,
+        help="keep the evaluations of steps 2-4 in DIR/<model>-<dataset> (a rerun reuses them); "
+        "the wall times of step 1 always use a fresh folder",
+    )
     p.add_argument("--write-docs", action="store_true")
     ns = p.parse_args()
     return Args(
@@ -71,6 +78,7 @@ def parse() -> Args:
         steps=ns.steps,
         seeds=ns.seeds,
         policies=ns.policies,
+        cache_root=ns.cache_root,
         write_docs=ns.write_docs,
     )
 
@@ -81,11 +89,15 @@ def timed(fn):
     return out, time.perf_counter() - start
 
 
-def setup(name: str, dataset: str):
+def setup(name: str, dataset: str, root: str | None = None):
     size = None if name in ("tinycnn", "mlp") else 32
     spec = load_model(name, num_classes=10, image_size=size)
     data = load_dataset_for(spec, dataset, seed=0)
-    cache = tempfile.mkdtemp(prefix="autoprec-bench-")
+    if root is None:
+        cache = tempfile.mkdtemp(prefix="autoprec-bench-")
+    else:
+        cache = os.path.join(root, f"{name}-{dataset}")
+        os.makedirs(cache, exist_ok=True)
     os.environ["AUTOPREC_CACHE_DIR"] = cache  # sensitivity tables too: nothing reused
     return spec, data, cache
 
@@ -121,7 +133,7 @@ def main() -> None:
 
     for name in args.rank_models:
         for dataset in args.datasets:
-            spec, data, cache = setup(name, dataset)
+            spec, data, cache = setup(name, dataset, args.cache_root)
             evaluators = [
                 Evaluator(spec, data, target=args.target, seed=s, cache_dir=cache)
                 for s in range(args.seeds)
@@ -173,7 +185,9 @@ def main() -> None:
         + " ".join(["--rank-models", *args.rank_models, "--timing-models", *args.timing_models])
         + " "
         + " ".join(["--datasets", *args.datasets, "--steps", *map(str, args.steps)])
-        + f" --seeds {args.seeds} --policies {args.policies} --write-docs"
+        + f" --seeds {args.seeds} --policies {args.policies}"
+        + (f" --cache-root {args.cache_root}" if args.cache_root else "")
+        + " --write-docs"
     )
     header = provenance(command) + (
         f"Target {args.target}; torchvision models at 32x32; a fresh cache folder per model and "

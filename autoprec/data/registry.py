@@ -45,8 +45,7 @@ _REGISTRY: dict[str, _Entry] = {
     ),
     "teacher": _Entry(
         load_teacher_bundle,
-        "smooth random images labelled by a fixed random conv network; harder than digits; "
-        "offline",
+        "smooth random images labelled by a fixed random conv network; harder than digits; offline",
         _IMAGE,
         None,
     ),

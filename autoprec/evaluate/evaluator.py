@@ -447,9 +447,7 @@ class Evaluator:
                 log.warning("out of memory evaluating policy %s", policy.digest())
                 run.out_of_memory = run.diverged = True
             except Exception:  # noqa: BLE001 - a bad policy must not end a search
-                log.exception(
-                    "training failed for policy %s; counted as diverged", policy.digest()
-                )
+                log.exception("training failed for policy %s; counted as diverged", policy.digest())
                 run.diverged = True
             finally:
                 if handle is not None:
