@@ -8,6 +8,7 @@ import datetime as dt
 import os
 import platform
 import re
+import shlex
 import sys
 import time
 import types
@@ -20,6 +21,7 @@ import torch
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 T = TypeVar("T")
+_ARGV: list[str] = []  # the options parse_args last read, for invocation()
 
 
 def cpu_name() -> str:
@@ -94,6 +96,7 @@ def parse_args(cls: type[T], description: str, argv: Sequence[str] | None = None
             extra["type"] = _number if kind is float else kind
         parser.add_argument(flag, default=default, **extra)
     ns = parser.parse_args(argv)
+    _ARGV[:] = list(sys.argv[1:] if argv is None else argv)
     values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)}
     for f in dataclasses.fields(cls):
         if typing.get_origin(hints[f.name]) is tuple:
@@ -130,6 +133,13 @@ def env_prefix(names: Sequence[str] = ("OMP_WAIT_POLICY",)) -> str:
     """``NAME=value `` for each of ``names`` set in the environment, to put before a command
     line (OpenMP's wait policy changes CPU timings a lot on a loaded machine)."""
     return "".join(f"{n}={os.environ[n]} " for n in names if n in os.environ)
+
+
+def invocation(script: str) -> str:
+    """The command line that ran ``script`` (its ``__file__``): the environment prefix, then
+    exactly the options ``parse_args`` read, so a table's "Command:" line reruns it."""
+    options = "".join(" " + shlex.quote(a) for a in _ARGV)
+    return f"{env_prefix()}python experiments/{Path(script).name}{options}"
 
 
 @torch.no_grad()

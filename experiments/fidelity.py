@@ -37,7 +37,7 @@ import torch
 from benchlib import (
     DOCS,
     autocast_support,
-    env_prefix,
+    invocation,
     md_table,
     parse_args,
     provenance,
@@ -191,8 +191,7 @@ def mean_max(values: list[float], fmt: str, scale: float = 1.0) -> str:
 
 
 def command(args: Args) -> str:
-    quick = " --quick" if args.quick else ""
-    return f"{env_prefix()}python experiments/fidelity.py{quick} --write-docs"
+    return invocation(__file__)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -58,7 +58,7 @@ import torch
 from benchlib import (
     DOCS,
     autocast_support,
-    env_prefix,
+    invocation,
     md_table,
     parse_args,
     provenance,
@@ -513,10 +513,7 @@ def copy_sections(source: Path, docs: Path) -> dict[str, Any]:
 
 
 def command(args: Args) -> str:
-    extra = " --dry-run" if args.dry_run else ""
-    if args.policy is not None:
-        extra += f" --policy {args.policy}"
-    return f"{env_prefix()}python experiments/gpu_validate.py{extra} --write-docs"
+    return invocation(__file__)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -5,8 +5,10 @@ process per model, in a scratch folder, the evaluator cache at `--cache-dir`) an
 it writes (`--plan`): whether the whole model migrated to the target's low precision within the
 accuracy tolerance without intervention (the first, whole-model step was kept), the share of
 tunable layers that ended low, the final policy's loss and accuracy delta against fp32, its
-speedup, the number of steps and the wall time. Image models fine-tune on the default dataset
-(at 32x32 for torchvision models, the command's default); text models on `tokens`.
+speedup, the number of steps and the wall time. Image models fine-tune on `--dataset` (the
+default dataset unless given; torchvision ones at 32x32, the command's default); text models on
+`tokens`. A run on another dataset than the default writes its own section
+(`migration_<dataset>`).
 
 Reported: the share of models migrated without intervention, and the median loss delta and
 accuracy delta of the final policies.
@@ -29,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from benchlib import DOCS, env_prefix, md_table, parse_args, provenance, write_section
+from benchlib import DOCS, invocation, md_table, parse_args, provenance, write_section
 
 from autoprec.cache import cache_dir as default_cache_dir
 from autoprec.defaults import DEFAULT_DATASET
@@ -59,6 +61,9 @@ class Args:
         metadata={"help": "default: every built-in model and seven torchvision models"},
     )
     target: str = "h100-sxm"
+    dataset: str = field(
+        default=DEFAULT_DATASET, metadata={"help": "image models' dataset (text: tokens)"}
+    )
     precision: str | None = field(default=None, metadata={"help": "default: the target's"})
     accuracy_tolerance: float | None = field(
         default=None, metadata={"help": "default: the command's"}
@@ -73,9 +78,9 @@ class Args:
     docs: Path = field(default=DOCS, metadata={"help": "the markdown file to write"})
 
 
-def dataset_for(model: str) -> str:
+def dataset_for(model: str, image_dataset: str = DEFAULT_DATASET) -> str:
     tasks = {m["name"]: m["task"] for m in list_models()}
-    return "tokens" if tasks.get(model) in TEXT_TASKS else DEFAULT_DATASET
+    return "tokens" if tasks.get(model) in TEXT_TASKS else image_dataset
 
 
 def migrate_command(args: Args, model: str, work: Path) -> list[str]:
@@ -91,8 +96,9 @@ def migrate_command(args: Args, model: str, work: Path) -> list[str]:
         "--plan",
         str(work / f"{model}-plan.yaml"),
     ]
-    if dataset_for(model) != DEFAULT_DATASET:
-        cmd += ["--dataset", dataset_for(model)]
+    dataset = dataset_for(model, args.dataset)
+    if dataset != DEFAULT_DATASET:
+        cmd += ["--dataset", dataset]
     for flag, value in (
         ("--precision", args.precision),
         ("--accuracy-tolerance", args.accuracy_tolerance),
@@ -127,7 +133,7 @@ def run_one(args: Args, model: str, work: Path, cache: Path) -> dict[str, Any]:
     metrics = plan["metrics"]
     return {
         "model": model,
-        "dataset": dataset_for(model),
+        "dataset": dataset_for(model, args.dataset),
         "precision": plan["precision"],
         "tolerance": plan["accuracy_tolerance"],
         "layers": plan["total_layers"],
@@ -176,8 +182,7 @@ def summary(results: list[dict[str, Any]]) -> str:
 
 
 def command(args: Args) -> str:
-    quick = " --quick" if args.quick else ""
-    return f"{env_prefix()}python experiments/migration.py{quick} --write-docs"
+    return invocation(__file__)
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
@@ -198,13 +203,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     tolerance = next((r["tolerance"] for r in results if "tolerance" in r), math.nan)
     body = "\n".join(
         [
-            "## Migration: `autoprec migrate` without intervention",
+            f"## Migration: `autoprec migrate` without intervention ({args.dataset})",
             "",
             provenance(command(args)),
             f"`autoprec migrate --model M --target {args.target}` per model with the command's "
             f"defaults (accuracy tolerance: loss delta <= {tolerance:g}"
             + (f", {args.steps} fine-tune steps per evaluation" if args.steps else "")
-            + f"): image models on {DEFAULT_DATASET} (torchvision ones at 32x32), text models "
+            + f"): image models on {args.dataset} (torchvision ones at 32x32), text models "
             "on `tokens`; the evaluator cache was shared. Without intervention: the first step, "
             "the whole model at the target's low precision, was kept. Lowered: share of "
             "tunable layers low in the final policy. Loss and accuracy deltas against fp32 and "
@@ -234,7 +239,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     )
     print(body)
     if args.write_docs:
-        write_section("migration", body, path=args.docs)
+        suffix = "" if args.dataset == DEFAULT_DATASET else f"_{args.dataset}"
+        write_section("migration" + suffix, body, path=args.docs)
     return results
 
 

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from benchlib import (
     DOCS,
-    env_prefix,
+    invocation,
     md_table,
     parse_args,
     provenance,
@@ -267,8 +267,7 @@ def row(runs: list[dict[str, Any]], values_per_step: int) -> list[str]:
 
 
 def command(args: Args) -> str:
-    quick = " --quick" if args.quick else ""
-    return f"{env_prefix()}python experiments/overflow.py{quick} --write-docs"
+    return invocation(__file__)
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
