@@ -249,7 +249,10 @@ def plot(path: Path, summary: dict[tuple[str, int], dict[str, Any]], args: Args)
     ax.set_xticks(args.budgets, [str(b) for b in args.budgets])
     ax.set_xlabel("budget (real evaluations)")
     ax.set_ylabel("regret (true best reward - agent's best)")
-    ax.set_title(f"{args.model}: regret against budget (median, IQR band; {args.seeds} seeds)")
+    ax.set_title(
+        f"{args.model} on {args.dataset}: regret against budget "
+        f"(median, IQR band; {args.seeds} seeds)"
+    )
     ax.axhline(0.0, color="black", linewidth=0.8)
     ax.legend()
     fig.tight_layout()
@@ -277,11 +280,15 @@ def verdict(summary: dict[tuple[str, int], dict[str, Any]], args: Args) -> list[
     """Sentences read off the table: which agent leads at each budget, against random."""
     lines = []
     for b in args.budgets:
-        ranked = sorted(args.agents, key=lambda a: summary[(a, b)]["regret"][1])
-        lead = ranked[0]
-        text = f"Budget {b}: lowest median regret {lead} ({summary[(lead, b)]['regret'][1]:.4f})"
-        if "random" in args.agents and lead != "random":
-            text += f", random {summary[('random', b)]['regret'][1]:.4f}"
+        low = min(summary[(a, b)]["regret"][1] for a in args.agents)
+        leads = [a for a in args.agents if summary[(a, b)]["regret"][1] <= low + 1e-12]
+        text = f"Budget {b}: lowest median regret ({low:.4f}) {', '.join(leads)}"
+        if len(leads) > 1:  # a tie on the median: the share of runs finding the best decides
+            top = max(summary[(a, b)]["found"] for a in leads)
+            firsts = [a for a in leads if summary[(a, b)]["found"] >= top]
+            text += f"; of those, most runs finding the true best ({top:.0%}): {', '.join(firsts)}"
+        if "random" in args.agents and "random" not in leads:
+            text += f"; random {summary[('random', b)]['regret'][1]:.4f}"
         lines.append(text + ".")
     top = args.budgets[-1]
     most = [a for a in args.agents if summary[(a, top)]["found"] > 0.5]
@@ -362,7 +369,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     plot_ref = os.path.relpath(args.plot.resolve(), args.docs.resolve().parent)
     body = "\n".join(
         [
-            f"## Agents against the true optimum ({args.model}, {len(truth.trials)} policies)",
+            f"## Agents against the true optimum ({args.model} on {args.dataset}, "
+            f"{len(truth.trials)} policies)",
             "",
             provenance(command(args)),
             f"Ground truth: all {stats['policies']} policies of {args.model} "
