@@ -69,8 +69,9 @@ SHORT_STEPS = 10
 FULL_STEPS = 30
 # Fine-tunes per evaluation, each on batches of its own; the losses are averaged. On the
 # default task (resnet18, `teacher`) one 10-step fine-tune already ranks random policies the
-# same way from one batch order to the next (Spearman 0.84, median over pairs of 6 orders;
-# 0.93 for the mean of 2, 0.95 for 3; digits at 30 steps: 0.25): docs/benchmarks.md.
+# same way from one batch order to the next (Spearman 0.83; at 30 steps 0.32, as trajectories
+# separate; on digits -0.25 and -0.20): docs/benchmarks.md, "Policy evaluator". Averaging
+# replicates lowers the batch-order noise for tasks where one fine-tune does not repeat.
 SHORT_REPLICATES = 1
 FULL_REPLICATES = 3
 REPLICATE_SEED_STRIDE = 10_000  # replicate r of seed s fine-tunes on batches of s + r * stride
