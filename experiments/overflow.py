@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     n_layers = sum(1 for _ in tunable_layers(spec.module))
     body = "\n".join(
         [
-            "## fp16 loss scaling: overflow, underflow and accuracy",
+            f"## fp16 loss scaling: overflow, underflow and accuracy ({args.dataset})",
             "",
             provenance(command(args)),
             f"{args.model} ({n_layers} tunable layers, all emulated fp16; normalisation fp32) "
@@ -340,7 +340,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     )
     print(body)
     if args.write_docs:
-        write_section("overflow", body, path=args.docs)
+        suffix = "" if args.dataset == DEFAULT_DATASET else f"_{args.dataset}"
+        write_section("overflow" + suffix, body, path=args.docs)
     return results
 
 
