@@ -19,6 +19,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from autoprec.defaults import DEFAULT_DATASET
+
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 T = TypeVar("T")
 _ARGV: list[str] = []  # the options parse_args last read, for invocation()
@@ -140,6 +142,12 @@ def invocation(script: str) -> str:
     exactly the options ``parse_args`` read, so a table's "Command:" line reruns it."""
     options = "".join(" " + shlex.quote(a) for a in _ARGV)
     return f"{env_prefix()}python experiments/{Path(script).name}{options}"
+
+
+def dataset_suffix(dataset: str, sep: str = "_") -> str:
+    """``""`` for the default dataset, else ``sep + dataset``: what keeps a run on another
+    dataset in its own docs section (``name_<dataset>``) and files (``name-<dataset>.png``)."""
+    return "" if dataset == DEFAULT_DATASET else f"{sep}{dataset}"
 
 
 @torch.no_grad()

@@ -190,10 +190,6 @@ def mean_max(values: list[float], fmt: str, scale: float = 1.0) -> str:
     return f"{format(statistics.mean(values) * scale, fmt)} / {format(max(values) * scale, fmt)}"
 
 
-def command(args: Args) -> str:
-    return invocation(__file__)
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(Args, __doc__.splitlines()[0], argv)
     if args.quick:
@@ -228,7 +224,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         [
             "## Simulator fidelity: emulated against native low precision",
             "",
-            provenance(command(args)),
+            provenance(invocation(__file__)),
             f"{args.model} on {args.dataset}, trained {args.steps} steps at batch "
             f"{args.batch_size} (SGD lr {args.lr:g}, momentum {args.momentum:g}) from the same "
             f"seeded weights on the same batches, once in fp32, once with every tunable layer "

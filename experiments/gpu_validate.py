@@ -449,7 +449,7 @@ def report(args: Args, gpu: str, device: Any, small: list, big: list, why: str, 
         [
             f"## On a GPU: {kind}",
             "",
-            provenance(command(args)),
+            provenance(invocation(__file__)),
             f"Device: **{gpu}**; predictions for the database entry **{device.name}**"
             + (f" (no prediction: {why})" if why else "")
             + ".",
@@ -510,10 +510,6 @@ def copy_sections(source: Path, docs: Path) -> dict[str, Any]:
     if not copied:
         raise SystemExit(f"no {' or '.join(SECTIONS)} section in {source}")
     return copied
-
-
-def command(args: Args) -> str:
-    return invocation(__file__)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -38,7 +38,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchlib import DOCS, invocation, md_table, parse_args, provenance, write_section
+from benchlib import (
+    DOCS,
+    dataset_suffix,
+    invocation,
+    md_table,
+    parse_args,
+    provenance,
+    write_section,
+)
 
 from autoprec.agents import Problem, SearchResult, Trial, search
 from autoprec.cache import cache_dir as default_cache_dir
@@ -300,19 +308,14 @@ def verdict(summary: dict[tuple[str, int], dict[str, Any]], args: Args) -> list[
     return lines
 
 
-def command(args: Args) -> str:
-    return invocation(__file__)
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(Args, __doc__.splitlines()[0], argv)
     if args.quick:
         args.precisions, args.budgets, args.seeds = ["fp32", "bf16"], [4, 8], 1
         args.steps = args.steps or 5
         args.ppo_timesteps = args.ppo_timesteps or 128
-    suffix = "" if args.dataset == DEFAULT_DATASET else f"-{args.dataset}"
     if args.plot is None:
-        args.plot = PLOT.with_name(f"{PLOT.stem}{suffix}{PLOT.suffix}")
+        args.plot = PLOT.with_name(f"{PLOT.stem}{dataset_suffix(args.dataset, '-')}{PLOT.suffix}")
     cache = args.cache_dir or default_cache_dir()
     os.environ["AUTOPREC_CACHE_DIR"] = str(cache)  # the sensitivity tables live there too
     print(f"cache: {cache}", flush=True)
@@ -372,7 +375,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"## Agents against the true optimum ({args.model} on {args.dataset}, "
             f"{len(truth.trials)} policies)",
             "",
-            provenance(command(args)),
+            provenance(invocation(__file__)),
             f"Ground truth: all {stats['policies']} policies of {args.model} "
             f"({', '.join(args.precisions)} per tunable layer) at `short` fidelity on "
             f"{args.dataset}, target {args.target}, through one evaluator cache "
@@ -421,7 +424,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     print(body)
     if args.write_docs:
-        write_section("ground_truth" + suffix.replace("-", "_"), body, path=args.docs)
+        write_section("ground_truth" + dataset_suffix(args.dataset), body, path=args.docs)
     return {"truth": truth, "stats": stats, "summary": summary, "best": best}
 
 

@@ -31,7 +31,15 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from benchlib import DOCS, invocation, md_table, parse_args, provenance, write_section
+from benchlib import (
+    DOCS,
+    dataset_suffix,
+    invocation,
+    md_table,
+    parse_args,
+    provenance,
+    write_section,
+)
 
 from autoprec.cache import cache_dir as default_cache_dir
 from autoprec.defaults import DEFAULT_DATASET
@@ -181,10 +189,6 @@ def summary(results: list[dict[str, Any]]) -> str:
     )
 
 
-def command(args: Args) -> str:
-    return invocation(__file__)
-
-
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(Args, __doc__.splitlines()[0], argv)
     if args.quick:
@@ -205,7 +209,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         [
             f"## Migration: `autoprec migrate` without intervention ({args.dataset})",
             "",
-            provenance(command(args)),
+            provenance(invocation(__file__)),
             f"`autoprec migrate --model M --target {args.target}` per model with the command's "
             f"defaults (accuracy tolerance: loss delta <= {tolerance:g}"
             + (f", {args.steps} fine-tune steps per evaluation" if args.steps else "")
@@ -239,8 +243,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     )
     print(body)
     if args.write_docs:
-        suffix = "" if args.dataset == DEFAULT_DATASET else f"_{args.dataset}"
-        write_section("migration" + suffix, body, path=args.docs)
+        write_section("migration" + dataset_suffix(args.dataset), body, path=args.docs)
     return results
 
 

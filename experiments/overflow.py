@@ -45,6 +45,7 @@ from typing import Any
 import torch
 from benchlib import (
     DOCS,
+    dataset_suffix,
     invocation,
     md_table,
     parse_args,
@@ -266,10 +267,6 @@ def row(runs: list[dict[str, Any]], values_per_step: int) -> list[str]:
     ]
 
 
-def command(args: Args) -> str:
-    return invocation(__file__)
-
-
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(Args, __doc__.splitlines()[0], argv)
     if args.quick:
@@ -295,7 +292,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         [
             f"## fp16 loss scaling: overflow, underflow and accuracy ({args.dataset})",
             "",
-            provenance(command(args)),
+            provenance(invocation(__file__)),
             f"{args.model} ({n_layers} tunable layers, all emulated fp16; normalisation fp32) "
             f"at {args.image_size}x{args.image_size} on {args.dataset}, trained from the same "
             f"seeded weights on the same {args.steps} batches of {args.batch_size} within each "
@@ -340,8 +337,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     )
     print(body)
     if args.write_docs:
-        suffix = "" if args.dataset == DEFAULT_DATASET else f"_{args.dataset}"
-        write_section("overflow" + suffix, body, path=args.docs)
+        write_section("overflow" + dataset_suffix(args.dataset), body, path=args.docs)
     return results
 
 

@@ -37,7 +37,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -78,6 +78,7 @@ class Surrogate:
         self.noise_ratio = float(noise_ratio)
         self.layers = tuple(table.layers)
         self._layer_index = {name: i for i, name in enumerate(self.layers)}
+        self._share = 1.0 / max(len(self.layers), 1)  # a layer's share of the table
         graded = [parse_precision(p) for p in table.precisions]
         self.precisions = tuple(p for p in graded if p is not Precision.FP32)
         self._precision_index = {p: j for j, p in enumerate(self.precisions)}
@@ -92,8 +93,8 @@ class Surrogate:
                 v if math.isfinite(v) else NONFINITE_LOSS_DELTA for v in column
             ]
         self.prior = np.concatenate([s.sum(axis=0), np.zeros(n_layers * n_prec)])
-        tau = np.maximum(np.sqrt(np.mean(s**2, axis=0)) if n_layers else np.zeros(n_prec), 0)
-        tau = np.maximum(tau, TAU_FLOOR)
+        rms = np.sqrt(np.mean(s**2, axis=0)) if n_layers else np.zeros(n_prec)
+        tau = np.maximum(rms, TAU_FLOOR)
         largest = float(tau.max()) if n_prec else 1.0
         self._prior_sd = np.concatenate(
             [np.full(n_prec, SHARED_PRIOR_RATIO * largest), np.tile(tau, n_layers)]
@@ -108,16 +109,10 @@ class Surrogate:
         Layers missing from ``precisions`` count as fp32; layers not in the table are ignored,
         and so are precisions the table did not grade.
         """
-        n_prec = len(self.precisions)
-        x = np.zeros(n_prec * (1 + len(self.layers)))
-        share = 1.0 / max(len(self.layers), 1)
-        for layer, value in precisions.items():
-            i = self._layer_index.get(layer)
-            j = self._precision_index.get(parse_precision(value))
-            if i is None or j is None:
-                continue
-            x[j] += share
-            x[n_prec + i * n_prec + j] = 1.0
+        x = np.zeros(len(self.precisions) * (1 + len(self.layers)))
+        for _, j, own in self._terms(precisions):
+            x[j] += self._share
+            x[own] = 1.0
         return x
 
     def predict(self, precisions: Mapping[str, Any]) -> float:
@@ -152,13 +147,17 @@ class Surrogate:
     def explain(self, precisions: Mapping[str, Any]) -> dict[str, float]:
         """Each layer's contribution to :meth:`predict` (its share of the shared terms plus its
         own term), by layer name; fp32 and unknown layers contribute nothing."""
+        return {
+            layer: float(self._share * self.weights[j] + self.weights[own])
+            for layer, j, own in self._terms(precisions)
+        }
+
+    def _terms(self, precisions: Mapping[str, Any]) -> Iterator[tuple[str, int, int]]:
+        """``(layer, shared-term index, own-term index)`` of each lowered layer the table
+        knows, at a precision it graded."""
         n_prec = len(self.precisions)
-        share = 1.0 / max(len(self.layers), 1)
-        out: dict[str, float] = {}
         for layer, value in precisions.items():
             i = self._layer_index.get(layer)
             j = self._precision_index.get(parse_precision(value))
-            if i is None or j is None:
-                continue
-            out[layer] = float(share * self.weights[j] + self.weights[n_prec + i * n_prec + j])
-        return out
+            if i is not None and j is not None:
+                yield layer, j, n_prec + i * n_prec + j
