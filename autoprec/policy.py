@@ -1,8 +1,10 @@
 """Precision policies: which precision each layer of a model trains in.
 
 A policy maps fully qualified module names, or ``re:<regex>`` patterns, to precisions. Precedence
-for a layer: its exact name, then the first pattern (in mapping order) that ``re.fullmatch``-es
-it, then ``default``. Files are read and written by :mod:`autoprec.policy_io`.
+for a layer: its exact name, then the first pattern (in mapping order) that fully matches it, then
+``default``. Patterns are Python ``re`` syntax, matched by the ``regex`` package so that one that
+backtracks catastrophically (``(.*.*)*X``) is stopped after :data:`PATTERN_TIMEOUT_S` with a
+:class:`PolicyError` instead of hanging. Files are read and written by :mod:`autoprec.policy_io`.
 
 Example:
     >>> p = PrecisionPolicy(default="bf16", layers={"fc": "fp32", "re:.*downsample.*": "fp16"})
@@ -23,6 +25,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from autoprec._text import excerpt
 from autoprec.precision import PRECISION_NAMES, Precision, parse_precision
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -32,6 +35,7 @@ SCHEMA_VERSIONS = (1,)
 PATTERN_PREFIX = "re:"
 LOSS_SCALING_KINDS = ("dynamic", "static", "none")
 TARGET_MODES = ("auto", "emulate", "native")
+PATTERN_TIMEOUT_S = 0.1  # per match; a sane pattern takes microseconds on a module name
 
 Field = tuple[Any, ...]
 _T = TypeVar("_T")
@@ -82,15 +86,27 @@ class _FrozenMap(Mapping):
 
 
 def _kind(value: object) -> str:
-    return f"{value!r} ({type(value).__name__})"
+    return f"{excerpt(value)} ({type(value).__name__})"
 
 
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _finite(value: object) -> bool:
+    """A number (not a bool) that a float holds finitely; ``10**400`` is not."""
+    if not _is_number(value):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int beyond the largest float
+        return False
+
+
 def _yaml_hint(value: object) -> str:
-    """A hint for '1e5'-style strings, which YAML 1.1 reads as text, not numbers."""
+    """A hint for '1e5'-style strings, which YAML 1.1 reads as text, and for huge integers."""
+    if _is_number(value) and not _finite(value) and isinstance(value, int):
+        return "; it is beyond the largest float (about 1.8e308)"
     if isinstance(value, str):
         try:
             float(value)
@@ -108,7 +124,7 @@ def _unknown_key(key: object, allowed: tuple[str, ...], where: str, path: Field)
     hint = _suggest(key, allowed)
     did = f"did you mean {hint[0]!r}? " if hint else ""
     return PolicyError(
-        f"unknown key {key!r} in {where}; {did}allowed keys: {', '.join(allowed)}",
+        f"unknown key {excerpt(key)} in {where}; {did}allowed keys: {', '.join(allowed)}",
         field=(*path, key),
     )
 
@@ -135,7 +151,8 @@ def _precision(value: object, what: str, path: Field) -> Precision:
         return parse_precision(value)
     except ValueError:
         raise PolicyError(
-            f"unknown precision {value!r} for {what}; expected one of {', '.join(PRECISION_NAMES)}",
+            f"unknown precision {excerpt(value)} for {what}; expected one of "
+            f"{', '.join(PRECISION_NAMES)}",
             field=path,
         ) from None
 
@@ -175,7 +192,7 @@ class LossScalingConfig:
         }
         for name, (expected, ok) in checks.items():
             value = getattr(self, name)
-            if not _is_number(value) or not math.isfinite(value) or not ok(value):
+            if not _finite(value) or not ok(value):
                 raise bad(name, expected, value)
             object.__setattr__(self, name, float(value))
         interval = self.growth_interval
@@ -253,11 +270,11 @@ class PolicyReport:
         for key, hints in self.unmatched:
             what = "pattern" if key.startswith(PATTERN_PREFIX) else "layer"
             fix = (
-                "did you mean " + " or ".join(repr(h) for h in hints) + "?"
+                "did you mean " + " or ".join(excerpt(h) for h in hints) + "?"
                 if hints
                 else "check it against the names in model.named_modules()"
             )
-            lines.append(f"{what} {key!r} matches no tunable or normalisation layer; {fix}")
+            lines.append(f"{what} {excerpt(key)} matches no tunable or normalisation layer; {fix}")
         if self.fingerprint:
             expected, actual = self.fingerprint
             lines.append(
@@ -266,7 +283,7 @@ class PolicyReport:
             )
         for name, precision in self.unsupported.items():
             lines.append(
-                f"layer {name!r} is {precision.value}, which the device cannot run; "
+                f"layer {excerpt(name)} is {precision.value}, which the device cannot run; "
                 "choose a precision it supports or another target"
             )
         return lines
@@ -332,7 +349,7 @@ class PrecisionPolicy:
         if name in self.layers:
             return self.layers[name]
         for key, pattern in self._patterns:
-            if pattern.fullmatch(name):
+            if _fullmatch(key, pattern, name):
                 return self.layers[key]
         return None
 
@@ -371,13 +388,10 @@ class PrecisionPolicy:
         unmatched = []
         for key in self.layers:
             if key in patterns:
-                found = any(patterns[key].fullmatch(n) for n in names)
-                hints = _suggest(key[len(PATTERN_PREFIX) :], names, n=3)
-            else:
-                found = key in present
-                hints = _suggest(key, names, n=3)
-            if not found:
-                unmatched.append((key, hints))
+                if not any(_fullmatch(key, patterns[key], n) for n in names):
+                    unmatched.append((key, _suggest(key[len(PATTERN_PREFIX) :], names, n=3)))
+            elif key not in present:
+                unmatched.append((key, _suggest(key, names, n=3)))
         mismatch = None
         expected = self.model.fingerprint if self.model else None
         if expected and expected != (actual := model_fingerprint(model)):
@@ -443,9 +457,7 @@ class PrecisionPolicy:
         return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
 
 
-def _check_layers(
-    layers: object,
-) -> tuple[dict[str, Precision], tuple[tuple[str, re.Pattern], ...]]:
+def _check_layers(layers: object) -> tuple[dict[str, Precision], tuple[tuple[str, Any], ...]]:
     if layers is None:
         return {}, ()
     if not isinstance(layers, Mapping):
@@ -461,23 +473,43 @@ def _check_layers(
         if not isinstance(key, str) or not key:
             raise PolicyError(
                 f"layer name {_kind(key)} is not a non-empty string; quote it in YAML "
-                f"(e.g. '{key}': bf16)",
+                f"(e.g. '{excerpt(key, quote=False)}': bf16)",
                 field=path,
             )
-        out[key] = _precision(value, f"layer {key!r}", path)
+        out[key] = _precision(value, f"layer {excerpt(key)}", path)
         if key.startswith(PATTERN_PREFIX):
-            body = key[len(PATTERN_PREFIX) :]
-            try:
-                patterns.append((key, re.compile(body)))
-            except re.error as exc:
-                raise PolicyError(
-                    f"pattern {key!r} is not a valid regular expression: {exc}; fix the regex "
-                    "(Python 're' syntax, matched against the whole module name)",
-                    field=path,
-                ) from None
-            if not body:
-                raise PolicyError(f"pattern {key!r} is empty; write e.g. 're:.*fc'", field=path)
+            patterns.append((key, _compile(key, path)))
     return out, tuple(patterns)
+
+
+def _compile(key: str, path: Field) -> Any:
+    """The ``regex`` pattern of ``re:<body>``; the syntax accepted is Python's ``re``."""
+    import regex
+
+    body = key[len(PATTERN_PREFIX) :]
+    try:
+        re.compile(body)  # the file format's syntax, whichever engine matches it
+    except re.error as exc:
+        raise PolicyError(
+            f"pattern {excerpt(key)} is not a valid regular expression: {exc}; fix the regex "
+            "(Python 're' syntax, matched against the whole module name)",
+            field=path,
+        ) from None
+    if not body:
+        raise PolicyError(f"pattern {excerpt(key)} is empty; write e.g. 're:.*fc'", field=path)
+    return regex.compile(body)
+
+
+def _fullmatch(key: str, pattern: Any, name: str) -> bool:
+    try:
+        return pattern.fullmatch(name, timeout=PATTERN_TIMEOUT_S) is not None
+    except TimeoutError:
+        raise PolicyError(
+            f"pattern {excerpt(key)} took over {PATTERN_TIMEOUT_S} s to match layer "
+            f"{excerpt(name)}: it backtracks catastrophically, as a repeat of a repeat such as "
+            "'(a+)+' or '(.*.*)*' can; write it without nested repeats (e.g. 're:layer1\\..*')",
+            field=("layers", key),
+        ) from None
 
 
 def _check_mapping(value: object, name: str, check: Callable[[object, Field], Any]) -> _FrozenMap:
@@ -496,9 +528,10 @@ def _check_mapping(value: object, name: str, check: Callable[[object, Field], An
 
 
 def _metric(value: object, path: Field) -> float:
-    if not _is_number(value) or not math.isfinite(value):
+    if not _finite(value):
         raise PolicyError(
-            f"metrics.{path[1]} must be a finite number; got {_kind(value)}{_yaml_hint(value)}",
+            f"metrics.{excerpt(path[1], quote=False)} must be a finite number; got "
+            f"{_kind(value)}{_yaml_hint(value)}",
             field=path,
         )
     return float(value)
@@ -512,7 +545,9 @@ def _provenance(value: object, path: Field) -> str:
     if _is_number(value):
         return str(value)
     raise PolicyError(
-        f"provenance.{path[1]} must be a string; got {_kind(value)}; quote the value", field=path
+        f"provenance.{excerpt(path[1], quote=False)} must be a string; got {_kind(value)}; "
+        "quote the value",
+        field=path,
     )
 
 

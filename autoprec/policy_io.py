@@ -14,7 +14,9 @@ provenance: {agent: ppo, created: "..."}
 ```
 
 Only ``autoprec_policy`` and ``default`` are required. Every defect raises :class:`PolicyError`
-naming the file, the line where the parser knows it, and the field.
+naming the file, the line where the parser knows it, and the field, and quoting at most a short
+excerpt of the input; a malformed file of any kind (too large, binary, an alias bomb, nested
+10,000 deep) costs that one line quickly (:mod:`autoprec._datafile` reads it).
 """
 
 from __future__ import annotations
@@ -23,16 +25,15 @@ import contextlib
 import json
 import os
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import yaml
 
+from autoprec._datafile import DataFileError, LineFinder, parse_json, parse_yaml, read_text
 from autoprec.policy import (
     PATTERN_PREFIX,
     SCHEMA_VERSIONS,
-    Field,
     PolicyError,
     PrecisionPolicy,
     _kind,
@@ -52,6 +53,7 @@ TOP_LEVEL_KEYS = (
     "metrics",
     "provenance",
 )
+_WHAT = "policy file"
 _REQUIRED_HINT = "a policy needs at least 'autoprec_policy: 1' and 'default: <precision>'"
 
 
@@ -147,118 +149,30 @@ def _atomic_write(path: Path, text: str) -> None:
 def load_policy(path: str | os.PathLike[str]) -> PrecisionPolicy:
     """Read and validate a policy file (JSON for ``.json``, YAML otherwise).
 
+    A file over :data:`~autoprec._datafile.MAX_FILE_BYTES` (4 MiB), YAML with anchors or
+    aliases, and nesting deeper than a few dozen levels are refused before they cost time.
+
     Raises:
-        PolicyError: the file is missing, empty, malformed or holds an invalid policy; the
-            message starts with the path and, where known, ``line N``.
+        PolicyError: the file is missing, empty, too large, malformed or holds an invalid
+            policy; the message starts with the path and, where known, ``line N``.
     """
     path = Path(path)
     source = str(path)
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise PolicyError(
-            f"{source}: no such file; check the path (relative to {Path.cwd()})"
-        ) from None
-    except UnicodeDecodeError as exc:
-        raise PolicyError(f"{source}: not UTF-8 text ({exc.reason}); save it as UTF-8") from None
-    except OSError as exc:
-        raise PolicyError(f"{source}: cannot read the file: {exc.strerror or exc}") from None
-    if path.suffix.lower() in JSON_SUFFIXES:
-        data, line_of = _parse_json(text, source), None
-    else:
-        data, line_of = _parse_yaml(text, source)
+        text = read_text(path, source, _WHAT)
+        if path.suffix.lower() in JSON_SUFFIXES:
+            data, line_of = parse_json(text, source, _WHAT), None
+        else:
+            data, line_of = parse_yaml(text, source, _WHAT)
+    except DataFileError as exc:
+        raise PolicyError(str(exc)) from None
     if data is None:
         raise PolicyError(f"{source}: the file is empty; {_REQUIRED_HINT}")
     return policy_from_data(data, source, line_of)
 
 
-def _parse_json(text: str, source: str) -> Any:
-    if not text.strip():
-        return None
-
-    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for key, value in pairs:
-            if key in out:
-                raise PolicyError(f"{source}: duplicate key {key!r}; each key may appear once")
-            out[key] = value
-        return out
-
-    try:
-        return json.loads(text, object_pairs_hook=no_duplicates)
-    except json.JSONDecodeError as exc:
-        raise PolicyError(
-            f"{source}, line {exc.lineno}, column {exc.colno}: malformed JSON: {exc.msg}"
-        ) from None
-
-
-def _parse_yaml(text: str, source: str) -> tuple[Any, Callable[[Field], int | None] | None]:
-    loader = yaml.SafeLoader(text)
-    try:
-        root = loader.get_single_node()
-        if root is None:
-            return None, None
-        _check_duplicate_keys(root, source)
-        return loader.construct_document(root), _line_finder(root)
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        where = f"{source}, line {mark.line + 1}, column {mark.column + 1}" if mark else source
-        context = f" ({exc.context})" if exc.context else ""
-        raise PolicyError(
-            f"{where}: malformed YAML: {exc.problem}{context}; check the indentation, quotes "
-            "and the ': ' after each key"
-        ) from None
-    except yaml.YAMLError as exc:
-        raise PolicyError(f"{source}: malformed YAML: {exc}") from None
-    finally:
-        loader.dispose()
-
-
-def _check_duplicate_keys(root: yaml.Node, source: str) -> None:
-    """PyYAML keeps the last of two equal keys silently; a repeated layer is a mistake."""
-    stack, seen_nodes = [root], set()
-    while stack:
-        node = stack.pop()
-        if id(node) in seen_nodes:
-            continue
-        seen_nodes.add(id(node))
-        if isinstance(node, yaml.MappingNode):
-            first: dict[tuple[str, str], int] = {}
-            for key, value in node.value:
-                if isinstance(key, yaml.ScalarNode):
-                    line = key.start_mark.line + 1
-                    if (key.tag, key.value) in first:
-                        raise PolicyError(
-                            f"{source}, line {line}: duplicate key {key.value!r} (first at line "
-                            f"{first[key.tag, key.value]}); each key may appear once"
-                        )
-                    first[key.tag, key.value] = line
-                stack.append(value)
-        elif isinstance(node, yaml.SequenceNode):
-            stack.extend(node.value)
-
-
-def _line_finder(root: yaml.Node) -> Callable[[Field], int | None]:
-    """Maps a field path such as ``("layers", "fc")`` to the line of its key (1-based)."""
-
-    def line_of(path: Field) -> int | None:
-        node, line = root, root.start_mark.line + 1
-        for part in path:
-            if not isinstance(node, yaml.MappingNode):
-                break
-            for key, value in node.value:
-                if isinstance(key, yaml.ScalarNode) and key.value == str(part):
-                    node, line = value, key.start_mark.line + 1
-                    break
-            else:
-                break
-        return line
-
-    return line_of
-
-
 def policy_from_data(
-    data: object, source: str, line_of: Callable[[Field], int | None] | None = None
+    data: object, source: str, line_of: LineFinder | None = None
 ) -> PrecisionPolicy:
     """Build a policy from parsed file data; errors start with ``source`` (and the line).
 
