@@ -1,14 +1,19 @@
 """Which modules of a model are tunable layers, and a fingerprint of the model's structure.
 
 Tunable layers are the ones whose matrix work can change precision: ``Conv1d/2d/3d``,
-``Linear`` and ``nn.MultiheadAttention`` (its input and output projections run as one unit; its
-``out_proj`` is covered by the attention module, not listed on its own). Normalisation layers
-are not tunable by default: they stay fp32 unless a policy names them.
+``Linear``, ``nn.MultiheadAttention`` (its input and output projections run as one unit; its
+``out_proj`` is covered by the attention module, not listed on its own) and Hugging Face's
+GPT-2 style ``Conv1D`` (a transposed linear: ``torch.addmm(bias, x, weight)`` with ``weight`` of
+shape ``(in, out)``; matched by class name, so transformers need not be imported). A layer is
+tunable whether its own ``forward`` runs or its weight is used functionally (torchvision's Swin
+calls ``F.linear`` on ``self.qkv.weight``): the analysis finds its matrix work by the parameter.
+Normalisation layers are not tunable by default: they stay fp32 unless a policy names them.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Callable, Iterator
 
 from torch import nn
@@ -32,13 +37,35 @@ NORM_TYPES: tuple[type[nn.Module], ...] = (
 LayerFilter = Callable[[nn.Module, str], bool]
 
 
+def is_conv1d(module: nn.Module) -> bool:
+    """A GPT-2 style ``Conv1D`` (class named ``Conv1D`` with a 2-d ``weight`` of (in, out))."""
+    weight = getattr(module, "weight", None)
+    return type(module).__name__ == "Conv1D" and getattr(weight, "ndim", 0) == 2
+
+
 def is_tunable(module: nn.Module, name: str = "") -> bool:
-    """The default filter: convolutions, linears and attention blocks."""
-    return isinstance(module, TUNABLE_TYPES)
+    """The default filter: convolutions, linears, attention blocks and ``Conv1D``."""
+    return isinstance(module, TUNABLE_TYPES) or is_conv1d(module)
 
 
 def is_norm(module: nn.Module, name: str = "") -> bool:
     return isinstance(module, NORM_TYPES)
+
+
+def geometry(module: nn.Module) -> tuple[int, int, tuple[int, ...], tuple[int, ...]]:
+    """``(fan_in, fan_out, kernel_size, stride)`` of a tunable layer (zeros for others)."""
+    if isinstance(module, nn.modules.conv._ConvNd):
+        k = math.prod(module.kernel_size)
+        fan_in = module.in_channels // module.groups * k
+        return fan_in, module.out_channels * k // module.groups, module.kernel_size, module.stride
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features, (), ()
+    if isinstance(module, nn.MultiheadAttention):
+        return module.embed_dim, module.embed_dim, (), ()
+    if is_conv1d(module):
+        fan_in, fan_out = module.weight.shape
+        return int(fan_in), int(fan_out), (), ()
+    return 0, 0, (), ()
 
 
 def tunable_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:

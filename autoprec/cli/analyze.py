@@ -34,6 +34,35 @@ def _heatmap(table, sens, path: Path) -> None:
     tmp.replace(path)
 
 
+def _inputs(row) -> str:
+    """Where a layer's input comes from: its source layers ("input": the model's input)."""
+    names = ["input" if s == "" else s for s in row.sources]
+    return names[-1] if len(names) == 1 else f"{names[-1]} +{len(names) - 1}" if names else ""
+
+
+def _native(verdicts: dict[str, str], reasons: list[str]) -> str:
+    """The precisions a layer cannot run natively, each with a footnote number ("all": none)."""
+    missing = []
+    for precision, verdict in verdicts.items():
+        if verdict.startswith("no: "):
+            why = verdict[4:]
+            if why not in reasons:
+                reasons.append(why)
+            missing.append(f"{precision}[{reasons.index(why) + 1}]")
+    return "all" if not missing else "not " + " ".join(missing)
+
+
+def _coverage(table) -> str:
+    """One line: the share of the forward FLOPs that no tunable layer covers, and why."""
+    if not table.uncovered:
+        return "every matrix operation of the forward pass is in a tunable layer"
+    parts = "; ".join(f"{reason}: {flops / 1e9:.4f} GFLOP" for reason, flops in table.uncovered)
+    return (
+        f"left out of the tunable layers: {table.uncovered_share:.1%} of the forward FLOPs "
+        f"({parts})"
+    )
+
+
 @click.command()
 @click.option("--model", "model_name", required=True, help="Model name (see `autoprec models`).")
 @click.option(
@@ -65,6 +94,12 @@ def _heatmap(table, sens, path: Path) -> None:
     "--json", "json_path", type=click.Path(), default=None, help="Write everything as JSON."
 )
 @click.option("--heatmap", type=click.Path(), default=None, help="PNG of layers x precisions.")
+@click.option(
+    "--target",
+    default=None,
+    help="Accelerator whose native runnability is shown per layer (default: the local GPU; "
+    "without one, h100-sxm).",
+)
 def analyze(
     model_name,
     dataset,
@@ -80,19 +115,26 @@ def analyze(
     seed,
     json_path,
     heatmap,
+    target,
 ) -> None:
-    """Analyse a model's tunable layers and grade each one's need for precision."""
+    """Analyse a model's tunable layers and grade each one's need for precision, and say which
+    precisions each layer can train in natively on the target (and why not)."""
     from rich.console import Console
     from rich.progress import Progress
     from rich.table import Table
 
+    from autoprec.cli._setup import resolve_target
     from autoprec.data import load_dataset_for
     from autoprec.graph import analyze as analyze_model
     from autoprec.graph import sensitivity
+    from autoprec.hardware.runnability import describe
     from autoprec.models import load_model
 
+    device, _ = resolve_target(target)
     spec = load_model(model_name, num_classes=num_classes, image_size=image_size)
     table = analyze_model(spec, batch_size)
+    runnable = describe(device, table)
+    reasons: list[str] = []  # footnotes of the "native" column
     sens = None
     if not no_sensitivity:
         data = load_dataset_for(spec, dataset, root=data_dir, download=download, seed=seed)
@@ -114,10 +156,15 @@ def analyze(
         console = Console(width=160)
     out = Table(
         title=f"{spec.name}: {len(table)} tunable layers, batch {table.batch_size}, "
-        f"input {tuple(table.input_shape)}; FLOPs in GFLOP (2 per multiply-add)"
+        f"input {tuple(table.input_shape)}; FLOPs in GFLOP (2 per multiply-add)",
+        caption="input: the last tunable layer feeding it (+ how many more; input: the model's)",
     )
-    for col in ("#", "layer", "type", "params", "fwd GFLOP", "bwd GFLOP", "act MB"):
-        out.add_column(col, justify="left" if col in ("layer", "type") else "right")
+    native = f"native on {device.name}"
+    columns = ("#", "layer", "type", "kind", "params", "fwd GFLOP", "bwd GFLOP", "act MB", "input")
+    for col in (*columns, native):
+        out.add_column(
+            col, justify="left" if col in ("layer", "type", "kind", "input", native) else "right"
+        )
     shown = [p for p in sens.precisions if p != "fp32"] if sens is not None else []
     for p in shown:
         out.add_column(f"1-cos {p}", justify="right")
@@ -126,10 +173,13 @@ def analyze(
             str(row.index),
             row.name,
             row.type,
+            row.kind,
             f"{row.params:,}",
             f"{row.forward_flops / 1e9:.4f}",
             f"{row.backward_flops / 1e9:.4f}",
             f"{(row.input_bytes + row.output_bytes) / 1e6:.2f}",
+            _inputs(row),
+            _native(runnable[row.name], reasons),
         ]
         cells += [f"{sens.distance(row.name, p):.1e}" for p in shown]
         out.add_row(*cells)
@@ -138,6 +188,15 @@ def analyze(
         f"total forward: {table.total_forward_flops / 1e9:.3f} GFLOP "
         f"({table.flop_unit}) for batch {table.batch_size}"
     )
+    console.print(_coverage(table), highlight=False)
+    for i, reason in enumerate(reasons, 1):
+        console.print(f"  [{i}] {reason}", highlight=False)
+    if table.meta_failure:
+        console.print(
+            f"ran on the CPU at the analysed shapes: the meta-device pass failed in "
+            f"{table.meta_failure}",
+            highlight=False,
+        )
     if sens is not None:
         console.print(
             f"sensitivity: {sens.method}, {sens.wall_time_s:.1f} s "
@@ -146,6 +205,7 @@ def analyze(
     if json_path:
         doc = json.loads(table.to_json())
         doc["sensitivity"] = None if sens is None else sens.to_dict()
+        doc["runnable"] = {"device": device.name, "layers": runnable}
         Path(json_path).write_text(json.dumps(doc, indent=2) + "\n")
         console.print(f"wrote {json_path}")
     if heatmap and sens is not None:

@@ -3,6 +3,7 @@
 - :mod:`.table`: ``LayerTable``/``LayerRow``, plain data (no torch).
 - :mod:`.cache`: tables on disk; ``analyze_named`` reads a cached table without torch.
 - :mod:`.analyze`: ``analyze(spec, batch) -> LayerTable`` (FLOPs, bytes, position, geometry).
+- :mod:`.trace`: the modes that record one training step for it (layers found by parameter).
 - :mod:`.grade`: ``sensitivity(spec, data, formats) -> SensitivityTable``.
 
 The table and the cache load with the package; the names that need torch load on first use, so
@@ -20,10 +21,11 @@ from autoprec.graph.cache import analyze_named
 from autoprec.graph.table import FLOP_UNIT, LayerRow, LayerTable
 
 if TYPE_CHECKING:  # pragma: no cover
-    from autoprec.graph.analyze import analyze
+    from autoprec.graph.analyze import AnalysisError, analyze
     from autoprec.graph.grade import METHODS, SensitivityTable, sensitivity
 
 _LAZY = {
+    "AnalysisError": "autoprec.graph.analyze",
     "analyze": "autoprec.graph.analyze",
     "METHODS": "autoprec.graph.grade",
     "SensitivityTable": "autoprec.graph.grade",
@@ -32,6 +34,7 @@ _LAZY = {
 
 __all__ = [
     "FLOP_UNIT",
+    "AnalysisError",
     "METHODS",
     "LayerRow",
     "LayerTable",

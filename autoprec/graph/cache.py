@@ -32,7 +32,8 @@ from autoprec.graph.table import TABLE_VERSION, LayerTable
 _ROOT = Path(__file__).resolve().parent.parent  # the autoprec package
 # what decides a table built by name: the model registry, the choice of tunable layers, the
 # analysis itself and the table's layout
-_SOURCES = ("models/*.py", "layers.py", "graph/analyze.py", "graph/table.py")
+_SOURCES = ("models/*.py", "layers.py", "graph/analyze.py", "graph/trace.py", "graph/table.py")
+_SOURCES += ("hardware/runnability.py",)  # the rows' kind
 _VERSIONED = ("torch", "torchvision", "transformers")
 
 
@@ -115,7 +116,7 @@ def analyze_named(
         return table
     import torch
 
-    from autoprec.graph.analyze import analyze
+    from autoprec.graph.analyze import AnalysisError, analyze
     from autoprec.models import load_model
 
     build = {"num_classes": num_classes, "image_size": image_size}
@@ -124,7 +125,10 @@ def analyze_named(
             spec = load_model(model, **build)
     except (RuntimeError, NotImplementedError, TypeError, ValueError):
         spec = load_model(model, **build)  # a model that cannot be built on meta (or a user error)
-    table = analyze(spec, batch_size, cache=True)
+    try:
+        table = analyze(spec, batch_size, cache=True)
+    except AnalysisError:  # its forward cannot run on meta: build it for real, run on the CPU
+        table = analyze(load_model(model, **build), batch_size, cache=True)
     if key is not None:
         write_entry(key, table)
     return table

@@ -12,9 +12,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from autoprec.hardware.program import Flow
+
 FLOP_UNIT = "FLOPs (2 per multiply-add)"
 #: Bump when what analyze() measures, or how a table is cached, changes: old entries are ignored.
-TABLE_VERSION = 3
+TABLE_VERSION = 5  # 4: weights found by parameter, backward per layer, kind, sources; 5: flow
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,13 @@ class LayerRow:
     other_bytes_backward: int = -1
     other_ops_forward: int = -1
     other_ops_backward: int = -1
+    # "conv" | "linear" | "matmul" | "attention" (autoprec.hardware.runnability.layer_kind):
+    # a Linear whose own forward never runs (its weight used functionally) is "matmul"
+    kind: str = ""
+    # The tunable layers whose outputs reach this layer's input through non-tunable ops
+    # (residual adds, norms, activations, pooling, reshapes), in execution order; "" stands for
+    # a model input (fp32).
+    sources: tuple[str, ...] = ()
 
     @property
     def flops(self) -> int:
@@ -65,6 +74,25 @@ class LayerTable:
     rows: tuple[LayerRow, ...]
     total_forward_flops: int
     flop_unit: str = FLOP_UNIT
+    # Forward matrix work no tunable layer covers, as (reason, FLOPs) pairs; part of
+    # total_forward_flops but of no row.
+    uncovered: tuple[tuple[str, int], ...] = ()
+    # Empty when the analysis ran on the meta device; else why it could not (the op and the
+    # error), and it ran on the CPU at the same shapes.
+    meta_failure: str = ""
+    # The forward data flow (autoprec.hardware.program.Flow): the casts a policy's native step
+    # runs are replayed on it. None for a table built by hand.
+    flow: Flow | None = None
+
+    @property
+    def uncovered_flops(self) -> int:
+        """Forward FLOPs of matrix work outside every tunable layer."""
+        return sum(flops for _, flops in self.uncovered)
+
+    @property
+    def uncovered_share(self) -> float:
+        """:attr:`uncovered_flops` as a share of :attr:`total_forward_flops`."""
+        return self.uncovered_flops / self.total_forward_flops if self.total_forward_flops else 0.0
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -88,6 +116,7 @@ class LayerTable:
         for row in self.rows:
             d = asdict(row)
             d["kernel_size"], d["stride"] = list(row.kernel_size), list(row.stride)
+            d["sources"] = list(row.sources)
             out.append(d)
         return out
 
@@ -97,6 +126,7 @@ class LayerTable:
         rows = []
         for d in doc["layers"]:
             d = dict(d, kernel_size=tuple(d["kernel_size"]), stride=tuple(d["stride"]))
+            d["sources"] = tuple(d.get("sources", ()))
             rows.append(LayerRow(**d))
         return cls(
             model=doc["model"],
@@ -106,6 +136,9 @@ class LayerTable:
             rows=tuple(rows),
             total_forward_flops=int(doc["total_forward_flops"]),
             flop_unit=doc.get("flop_unit", FLOP_UNIT),
+            uncovered=tuple((str(r), int(f)) for r, f in doc.get("uncovered", ())),
+            meta_failure=doc.get("meta_failure", ""),
+            flow=Flow.from_dict(doc["flow"]) if doc.get("flow") else None,
         )
 
     def to_json(self, path: str | Path | None = None) -> str:
@@ -116,7 +149,11 @@ class LayerTable:
             "input_shape": list(self.input_shape),
             "flop_unit": self.flop_unit,
             "total_forward_flops": self.total_forward_flops,
+            "uncovered_flops": self.uncovered_flops,
+            "uncovered": [list(pair) for pair in self.uncovered],
+            "meta_failure": self.meta_failure,
             "layers": self.to_dicts(),
+            "flow": None if self.flow is None else self.flow.to_dict(),
         }
         text = json.dumps(doc, indent=2)
         if path is not None:

@@ -28,11 +28,15 @@ Per tunable layer and pass::
 Around the layers (all memory-bound, ``bytes / (bandwidth * efficiency.bandwidth)`` plus one
 kernel overhead per kernel):
 
-- Casts (``cast_s``): where a layer's storage format differs from its predecessor's (execution
-  order; the model input counts as fp32; tf32 is stored as fp32) one cast kernel reads the
-  input at the predecessor's format and writes it at the layer's, in forward and again for the
-  gradient in backward. Every layer stored below fp32 casts its weight once per step (read fp32,
-  write low). fp8 adds amax/scale work: one extra fp32 read of input and weight.
+- Casts (``cast_s``): exactly the casts the native runtime executes
+  (:meth:`CostModel.program`, from the data flow the analysis recorded and the runtime's rule in
+  :mod:`autoprec.hardware.program`: a cast where a tensor meets a layer of another dtype,
+  weights once per step, autocast's fp32 operations on CUDA, autograd's casts of promoted
+  gradients, torchao's fp8 casts with their amax read). Each is one kernel that reads the
+  source and writes the target. A table without a recorded flow (built by hand) falls back to
+  one cast wherever a layer's storage format differs from its predecessor's in execution
+  order, forward and backward, a weight copy per low layer, and for fp8 one extra read of input
+  and weight.
 - Element-wise and normalisation work (``other_s``): the analysis measures, on the meta
   device, the bytes read and written and the number of kernels of every op that is not a
   matmul or convolution (norms, activations, pooling, residual adds, softmax), forward and
@@ -83,6 +87,7 @@ from typing import TYPE_CHECKING, Any
 
 from autoprec.hardware.database import DeviceSpec, get_device
 from autoprec.hardware.efficiency import CostModelError, Efficiency, default_efficiency
+from autoprec.hardware.program import Program, program
 from autoprec.precision import PRECISION_NAMES, Precision, parse_precision
 
 if TYPE_CHECKING:
@@ -266,6 +271,7 @@ class CostModel:
         transposes = memory_format == "contiguous" and self.device.vendor == "nvidia"
         scale = batch / table.batch_size
         precision_for = _precision_lookup(policy)
+        flow = getattr(table, "flow", None)
         layers, cast_s, other_s, layout_s, params = [], 0.0, 0.0, 0.0, 0
         low_weights = activations = 0.0
         previous = Precision.FP32  # the model input
@@ -284,13 +290,15 @@ class CostModel:
                 else:
                     layout_s += transpose_s
             layers.append(cost)
-            if _storage(p) != _storage(previous):  # activation cast, forward and backward
-                cast_s += 2 * self._memory_s(in_bytes * (_ratio(previous) + ratio))
-            if ratio < 1:  # weight copy at the low format, once per step
-                cast_s += self._memory_s(row.weight_bytes * (1 + ratio))
+            if flow is None:  # no recorded data flow: casts at each change along the layers
+                if _storage(p) != _storage(previous):  # activation cast, forward and backward
+                    cast_s += 2 * self._memory_s(in_bytes * (_ratio(previous) + ratio))
+                if ratio < 1:  # weight copy at the low format, once per step
+                    cast_s += self._memory_s(row.weight_bytes * (1 + ratio))
+                if p is Precision.FP8:  # amax of input and weight
+                    cast_s += self._memory_s(in_bytes + row.weight_bytes)
+            if ratio < 1:
                 low_weights += row.params * ratio * 4
-            if p is Precision.FP8:  # amax of input and weight
-                cast_s += self._memory_s(in_bytes + row.weight_bytes)
             if row.other_bytes_forward >= 0:  # measured traffic of the non-matmul ops
                 moved = (row.other_bytes_forward + row.other_bytes_backward) * scale * ratio
                 kernels = row.other_ops_forward + row.other_ops_backward
@@ -303,6 +311,8 @@ class CostModel:
             activations += in_bytes * ratio + out_bytes
             params += row.params
             previous = p
+        if flow is not None:  # the runtime's own casts (autoprec.hardware.program)
+            cast_s = self._casts_s(self.program(table, precision_for), scale)
         optimizer_s = self._memory_s(OPTIMIZER_BYTES_PER_PARAM[opt] * params, len(table.rows))
         forward_s = sum(c.forward_s for c in layers)
         backward_s = sum(c.backward_s for c in layers)
@@ -329,6 +339,44 @@ class CostModel:
             memory=memory,
             layers=tuple(layers),
         )
+
+    @property
+    def device_type(self) -> str:
+        """The torch device type the target trains on (autocast's lists depend on it)."""
+        return "cuda" if self.device.vendor in ("nvidia", "amd") else "cpu"
+
+    def program(self, table: LayerTable, policy: Any) -> Program:
+        """The casts and matrix operations of one native training step of the analysed model
+        under ``policy`` on this device (:func:`autoprec.hardware.program.program`): the
+        kernel inventory :meth:`step` prices, comparable with a recording of the runtime.
+
+        Raises:
+            CostModelError: the table has no recorded data flow (build it with
+                :func:`autoprec.graph.analyze`).
+        """
+        flow = getattr(table, "flow", None)
+        if flow is None:
+            raise CostModelError(
+                f"the layer table of {table.model!r} has no recorded data flow; analyse the "
+                "model again (autoprec.graph.analyze)"
+            )
+        lookup = policy if callable(policy) else _precision_lookup(policy)
+        return program(flow, {row.name: lookup(row.name) for row in table.rows}, self.device_type)
+
+    def _casts_s(self, prog: Program, scale: float) -> float:
+        """Seconds of the casts of ``prog``: each reads its source and writes its target (one
+        kernel); a cast to fp8 also reads its source once more for the amax (tensorwise
+        scaling). Activations scale with the batch, weights do not."""
+        seconds = 0.0
+        for c in prog.casts:
+            numel = c.numel if c.weight else c.numel * scale
+            nbytes = numel * (_CAST_BYTES[c.source] + _CAST_BYTES[c.target])
+            kernels = 1
+            if c.target.startswith("fp8"):
+                nbytes += numel * _CAST_BYTES[c.source]
+                kernels += 1
+            seconds += self._memory_s(nbytes, kernels)
+        return seconds
 
 
 def _seconds(cost: LayerCost) -> float:
@@ -364,6 +412,9 @@ def _precision_lookup(policy: Any) -> Any:
 STORAGE_BYTES: Mapping[str, int] = MappingProxyType(
     {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
 )
+
+
+_CAST_BYTES = {**STORAGE_BYTES, "fp64": 8}  # torchao computes fp8 scales through fp64
 
 
 def _ratio(precision: Precision) -> float:

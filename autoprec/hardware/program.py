@@ -1,0 +1,392 @@
+"""The program a policy runs: the casts and matrix operations of one native training step.
+
+The native runtime (:mod:`autoprec.runtime`) runs a policy the way ``torch.autocast`` runs a
+model, with per-layer exceptions. This module replays that rule on the forward data flow the
+analysis recorded (:class:`Flow`, from :mod:`autoprec.graph.flow`), so that the cost model
+prices exactly the kernels the runtime executes, and a test can compare the two (the runtime's
+``OpRecorder`` on one real step against :func:`program`).
+
+The rule, per forward operation, with ``region`` the policy's 16-bit dtype (bf16 if a layer is
+bf16, else fp16 if one is fp16, else none: the runtime's outer autocast region):
+
+- a layer's matrix operation (its weight is an argument; inside ``nn.MultiheadAttention``,
+  every one) computes in the layer's dtype: bf16/fp16 as autocast casts them, fp32 for fp32 and
+  tf32 (fp32 storage), fp8 as torchao's ``Float8Linear`` (tensorwise: input and weight cast to
+  e4m3, the output in the input's dtype; on CUDA under autocast the input first goes to the
+  autocast dtype, as ``Float8Linear.forward`` does). Each argument of another dtype is cast
+  once (a weight once per step: autocast caches it);
+- any other matrix operation (attention scores of activations) runs in ``region`` (autocast's
+  lower-precision list), or in its inputs' dtype outside a region;
+- on CUDA, the operations autocast runs in fp32 (:data:`CUDA_FP32_OPS`) cast their inputs to
+  fp32 inside a region; on the CPU autocast keeps norms and softmax in the input's dtype;
+- norms keep their input's dtype (fp32 weights are accepted as they are); views keep the
+  viewed tensor's; every other operation produces the promoted dtype of its floating
+  arguments (in place: its first argument's), as PyTorch's type promotion does;
+- the model's outputs are cast to fp32 once (the runtime's exit from the region), so the loss
+  is computed in fp32, as autocast's fp32-listed losses would.
+
+Backward: every forward cast of a tensor that needs a gradient is cast back once; wherever an
+argument that needs a gradient has another dtype than the operation's result without an
+explicit cast (a residual add of a bf16 and an fp32 branch), autograd casts its gradient once;
+each matrix operation has its backward matrix operations (``convolution_backward`` for a
+convolution; one ``mm``/``bmm`` per argument that needs a gradient for a GEMM; torchao's fp8
+layer: two ``_scaled_mm`` and four fp8 casts: the output gradient to e5m2 twice, the weight
+and the input to e4m3 again). Every fp8 cast is torchao's: the scale from the amax through
+fp64 (two scalar casts), a 16-bit tensor upcast to fp32 for the scaling, then the cast; its
+weight gradient leaves the GEMM in the layer's output dtype and is cast to fp32.
+
+Torch-free (plain data), so that a cached layer table can be costed without torch.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from autoprec.precision import Precision, parse_precision
+
+__all__ = [
+    "CUDA_FP32_OPS",
+    "MATMUL_OPS",
+    "Cast",
+    "Flow",
+    "FlowOp",
+    "FlowTensor",
+    "Matmul",
+    "Program",
+    "program",
+    "region_of",
+]
+
+#: Matrix operations as a dispatch mode sees them; ``scaled_dot_product_attention`` stands for
+#: the fused attention kernel (flash or memory-efficient) a device runs, one each way.
+ATTENTION_OP = "scaled_dot_product_attention"
+MATMUL_OPS = ("mm", "addmm", "bmm", "baddbmm", "convolution", ATTENTION_OP)
+#: The ops that CUDA autocast runs in float32 whatever the input dtype ("CUDA Ops that can
+#: autocast to float32", https://pytorch.org/docs/stable/amp.html#cuda-ops-that-can-autocast-to-float32),
+#: by the aten names a TorchDispatchMode sees below autograd (composite ops such as layer_norm,
+#: softmax or cross_entropy arrive decomposed: native_layer_norm, _softmax, _log_softmax +
+#: nll_loss_forward; __rdiv__/__rtruediv__ arrive as reciprocal). On the CPU autocast keeps
+#: norms and softmax in their input's dtype (only losses are fp32 there, outside the model).
+CUDA_FP32_OPS: frozenset[str] = frozenset(
+    (
+        "pow acos asin cosh sinh tan erfinv exp expm1 log log10 log1p log2 reciprocal rsqrt "
+        "softplus native_layer_norm native_group_norm _softmax _safe_softmax _log_softmax "
+        "norm linalg_vector_norm renorm dist _cdist_forward _pdist_forward cumprod cumsum prod "
+        "sum binary_cross_entropy_with_logits nll_loss_forward nll_loss2d_forward mse_loss "
+        "l1_loss smooth_l1_loss huber_loss soft_margin_loss multilabel_margin_loss_forward "
+        "multi_margin_loss kl_div poisson_nll_loss hinge_embedding_loss margin_ranking_loss "
+        "cosine_embedding_loss cosine_similarity triplet_margin_loss"
+    ).split()
+)
+NORM_OPS = frozenset(
+    {
+        "native_batch_norm",
+        "_native_batch_norm_legit",
+        "_native_batch_norm_legit_functional",
+        "native_layer_norm",
+        "native_group_norm",
+    }
+)
+_WIDTH = {"fp8_e4m3": 0, "fp8_e5m2": 0, "fp16": 1, "bf16": 1, "fp32": 2}
+
+
+@dataclass(frozen=True)
+class FlowTensor:
+    """One tensor of a recorded forward pass.
+
+    Attributes:
+        kind: ``"input"`` (a model input), ``"param"`` or ``"value"`` (computed).
+        layer: the tunable layer owning a parameter (``""`` otherwise).
+        numel: elements at the analysed batch.
+        dim: number of dimensions (0-dim tensors take no part in type promotion).
+        requires_grad: for inputs and parameters: whether it needs a gradient.
+        base: the tensor a view was taken of (-1: not a view).
+    """
+
+    kind: str
+    layer: str
+    numel: int
+    dim: int
+    requires_grad: bool
+    base: int = -1
+
+    def viewing(self, base: int) -> FlowTensor:
+        return replace(self, base=base)
+
+
+@dataclass(frozen=True)
+class FlowOp:
+    """One forward aten operation on floating tensors: its arguments and results by number."""
+
+    name: str
+    layer: str
+    args: tuple[int, ...]
+    outs: tuple[int, ...]
+    view: bool = False
+    inplace: bool = False
+
+
+@dataclass(frozen=True)
+class Flow:
+    """The forward data flow of a model at the analysed batch."""
+
+    tensors: tuple[FlowTensor, ...]
+    ops: tuple[FlowOp, ...]
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Compact plain data (lists), for the analysis cache."""
+        return {
+            "tensors": [
+                [t.kind, t.layer, t.numel, t.dim, int(t.requires_grad), t.base]
+                for t in self.tensors
+            ],
+            "ops": [
+                [o.name, o.layer, list(o.args), list(o.outs), int(o.view), int(o.inplace)]
+                for o in self.ops
+            ],
+            "inputs": list(self.inputs),
+            "outputs": list(self.outputs),
+        }
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any]) -> Flow:
+        tensors = tuple(
+            FlowTensor(k, layer, int(n), int(d), bool(g), int(b))
+            for k, layer, n, d, g, b in doc["tensors"]
+        )
+        ops = tuple(
+            FlowOp(name, layer, tuple(a), tuple(o), bool(v), bool(i))
+            for name, layer, a, o, v, i in doc["ops"]
+        )
+        return cls(tensors, ops, tuple(doc["inputs"]), tuple(doc["outputs"]))
+
+
+@dataclass(frozen=True)
+class Cast:
+    """One dtype cast of the step: ``numel`` elements from ``source`` to ``target``."""
+
+    phase: str  # "forward" | "backward"
+    layer: str  # the layer it belongs to ("" between layers)
+    source: str
+    target: str
+    numel: int
+    weight: bool  # a parameter's cast (does not grow with the batch)
+
+
+@dataclass(frozen=True)
+class Matmul:
+    """One matrix operation of the step, in ``dtype`` (fp8: ``"fp8"``)."""
+
+    phase: str
+    layer: str
+    op: str
+    dtype: str
+
+
+@dataclass(frozen=True)
+class Program:
+    """The casts and matrix operations of one training step under a policy."""
+
+    casts: tuple[Cast, ...]
+    matmuls: tuple[Matmul, ...]
+
+    def cast_pairs(self) -> Counter:
+        """``{(source, target): count}``."""
+        return Counter((c.source, c.target) for c in self.casts)
+
+    def matmul_kinds(self) -> Counter:
+        """``{(op, dtype): count}``."""
+        return Counter((m.op, m.dtype) for m in self.matmuls)
+
+
+def _compute(precision: Precision) -> str:
+    if precision in (Precision.FP32, Precision.TF32):
+        return "fp32"
+    return "fp8" if precision is Precision.FP8 else precision.value
+
+
+def _promote(dtypes: list[str]) -> str:
+    """PyTorch's promotion among floating dtypes (bf16 with fp16 gives fp32)."""
+    kinds = set(dtypes)
+    if not kinds:
+        return "fp32"
+    if len(kinds) == 1:
+        return kinds.pop()
+    if kinds <= {"bf16"} | {"fp16"} or "fp32" in kinds or kinds >= {"bf16", "fp16"}:
+        return "fp32"
+    return max(kinds, key=_WIDTH.__getitem__)
+
+
+def region_of(precisions: Mapping[str, Any] | Iterable[Any]) -> str | None:
+    """The runtime's outer autocast format for a policy: bf16 if a layer is bf16, else fp16 if
+    one is fp16, else None (no region)."""
+    items = precisions.values() if isinstance(precisions, Mapping) else precisions
+    values = {parse_precision(p) for p in items}
+    if Precision.BF16 in values:
+        return "bf16"
+    return "fp16" if Precision.FP16 in values else None
+
+
+def program(
+    flow: Flow,
+    precisions: Mapping[str, str | Precision],
+    device_type: str = "cuda",
+) -> Program:
+    """Replay the runtime's rule on ``flow`` for ``precisions`` (layers missing: fp32).
+
+    Args:
+        flow: the recorded forward pass.
+        precisions: ``{layer: precision}``.
+        device_type: ``"cuda"`` or ``"cpu"`` (autocast's lists and torchao's input cast
+            differ).
+    """
+    replay = _Replay(flow, {n: parse_precision(p) for n, p in precisions.items()}, device_type)
+    for op in flow.ops:
+        replay.run(op)
+    for o in flow.outputs:  # leaving the region: the loss is computed in fp32
+        if o in replay.dtype and replay.dtype[o] != "fp32":
+            replay.cast(o, "fp32", "")
+    return Program(tuple(replay.casts), tuple(replay.matmuls))
+
+
+class _Replay:
+    """The dtype of every tensor as the step runs, and the casts and matmuls so far."""
+
+    def __init__(self, flow: Flow, policy: dict[str, Precision], device_type: str) -> None:
+        self.tensors = flow.tensors
+        self.policy = policy
+        self.region = region_of(policy)
+        self.cuda = device_type == "cuda"
+        self.dtype: dict[int, str] = {}
+        self.grad: dict[int, bool] = {}
+        for i, t in enumerate(self.tensors):
+            if t.kind in ("input", "param"):
+                self.dtype[i], self.grad[i] = "fp32", t.requires_grad
+        self.casts: list[Cast] = []
+        self.matmuls: list[Matmul] = []
+        self._cached: set[tuple[int, str]] = set()
+
+    def root(self, i: int) -> int:
+        while self.tensors[i].base >= 0:
+            i = self.tensors[i].base
+        return i
+
+    def is_weight(self, i: int) -> bool:
+        return self.tensors[self.root(i)].kind == "param"
+
+    def cast(self, i: int, target: str, layer: str, *, cache: bool = True) -> None:
+        """A forward cast of tensor ``i`` (a weight once per step, as autocast caches it),
+        and its backward cast if ``i`` needs a gradient."""
+        source, weight = self.dtype[i], self.is_weight(i)
+        r = self.root(i)
+        if weight and cache:
+            if (r, target) in self._cached:
+                return
+            self._cached.add((r, target))
+        numel = self.tensors[r].numel if weight else self.tensors[i].numel
+        self.casts.append(Cast("forward", layer, source, target, numel, weight))
+        if self.grad.get(i, False):
+            self.casts.append(Cast("backward", layer, target, source, numel, weight))
+
+    def run(self, op: FlowOp) -> None:
+        args = [a for a in op.args if a in self.dtype]
+        needs = any(self.grad.get(a, False) for a in args)
+        if op.view:
+            out = self.dtype[args[0]] if args else "fp32"
+        elif op.name in MATMUL_OPS:
+            out = self.matmul(op, args)
+        elif self.cuda and self.region and op.name in CUDA_FP32_OPS:
+            for a in args:
+                if self.dtype[a] != "fp32":
+                    self.cast(a, "fp32", "")
+            out = "fp32"
+        elif op.name in NORM_OPS:
+            out = self.dtype[args[0]] if args else "fp32"
+        else:
+            for a in args:  # a layer's bias added after its GEMM: autocast cast it with the GEMM
+                owner = self.tensors[self.root(a)].layer if self.is_weight(a) else ""
+                compute = _compute(self.policy.get(owner, Precision.FP32)) if owner else ""
+                if compute in ("bf16", "fp16") and self.dtype[a] != compute:
+                    self.cast(a, compute, owner)
+                    self.dtype[a] = compute
+            ranked = [self.dtype[a] for a in args if self.tensors[a].dim > 0]
+            ranked = ranked or [self.dtype[a] for a in args]
+            out = self.dtype[args[0]] if op.inplace and args else _promote(ranked)
+            for a in args:  # autograd casts the gradient of a promoted argument back
+                if self.grad.get(a, False) and self.dtype[a] != out:
+                    numel = self.tensors[a].numel
+                    self.casts.append(Cast("backward", "", out, self.dtype[a], numel, False))
+        for o in op.outs:
+            self.dtype[o] = out
+            self.grad[o] = needs or self.grad.get(o, False)
+
+    def matmul(self, op: FlowOp, args: list[int]) -> str:
+        """Cast a matrix operation's arguments as the runtime does; record it and its
+        backward; return its result's dtype."""
+        layer = op.layer
+        if layer:
+            compute = _compute(self.policy.get(layer, Precision.FP32))
+        elif self.region:
+            compute = self.region  # autocast's lower-precision list
+        else:
+            compute = _promote([self.dtype[a] for a in args])
+        if compute == "fp8":
+            return self.float8(op, args)
+        for a in args:
+            if self.dtype[a] != compute:
+                self.cast(a, compute, layer)
+        self.matmuls.append(Matmul("forward", layer, op.name, compute))
+        if op.name == "convolution":
+            self.matmuls.append(Matmul("backward", layer, "convolution_backward", compute))
+        elif op.name == ATTENTION_OP:
+            self.matmuls.append(Matmul("backward", layer, f"{ATTENTION_OP}_backward", compute))
+        else:
+            name = "bmm" if "bmm" in op.name else "mm"
+            for a in args[-2:]:  # addmm(bias, a, b), mm(a, b), bmm(a, b)
+                if self.grad.get(a, False):
+                    self.matmuls.append(Matmul("backward", layer, name, compute))
+        return compute
+
+    def float8(self, op: FlowOp, args: list[int]) -> str:
+        """torchao's Float8Linear (tensorwise) as the runtime runs it: see the module
+        docstring."""
+        layer = op.layer
+        weights = [a for a in args if self.is_weight(a) and self.tensors[self.root(a)].dim == 2]
+        bias = [a for a in args if self.is_weight(a) and a not in weights]
+        acts = [a for a in args if not self.is_weight(a)]
+        for a in acts:  # inside a region the layer reads (and writes) the region's dtype
+            if self.region and self.dtype[a] != self.region:
+                self.cast(a, self.region, layer)
+                self.dtype[a] = self.region
+        out = self.dtype[acts[0]] if acts else "fp32"
+        grad_numel = self.tensors[op.outs[0]].numel if op.outs else 0
+        # (tensor dtype, numel, weight?, target) of every fp8 cast, forward then backward: the
+        # output gradient to e5m2 twice (one per backward GEMM), the weight and input again
+        forward = [(self.dtype[a], self.tensors[a].numel, False, "fp8_e4m3") for a in acts]
+        forward += [("fp32", self.tensors[self.root(w)].numel, True, "fp8_e4m3") for w in weights]
+        backward = [(out, grad_numel, False, "fp8_e5m2")] * 2 * len(acts)
+        backward += [f[:3] + ("fp8_e4m3",) for f in forward[len(acts) :] + forward[: len(acts)]]
+        for phase, casts in (("forward", forward), ("backward", backward)):
+            for source, numel, weight, target in casts:
+                # the scale from the amax in fp64 (torchao's amax_to_scale), the tensor scaled
+                # in fp32, then cast
+                self.casts.append(Cast(phase, layer, source, "fp64", 1, False))
+                self.casts.append(Cast(phase, layer, "fp64", "fp32", 1, False))
+                if source != "fp32":
+                    self.casts.append(Cast(phase, layer, source, "fp32", numel, weight))
+                self.casts.append(Cast(phase, layer, "fp32", target, numel, weight))
+        if out != "fp32":  # the weight gradient leaves the GEMM in `out`: autograd casts it
+            for w in weights:
+                numel = self.tensors[self.root(w)].numel
+                self.casts.append(Cast("backward", layer, out, "fp32", numel, True))
+        for a in bias:  # Float8Linear adds bias.to(output dtype)
+            if out != "fp32":
+                self.cast(a, out, layer, cache=False)
+        self.matmuls.append(Matmul("forward", layer, "_scaled_mm", "fp8"))
+        self.matmuls.extend([Matmul("backward", layer, "_scaled_mm", "fp8")] * 2 * len(acts))
+        return out
