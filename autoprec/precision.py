@@ -8,7 +8,10 @@ A layer's *precision* names what its matrix work uses; master weights always sta
 | tf32      | tf32             | tf32                       | no     |
 | bf16      | bf16             | bf16                       | no     |
 | fp16      | fp16             | fp16                       | no (loss scaling guards it) |
-| fp8       | fp8_e4m3         | fp8_e5m2                   | yes, per tensor (delayed)  |
+| fp8       | fp8_e4m3         | fp8_e5m2                   | yes, per tensor (current)  |
+
+fp8 is torchao's float8 training recipe (tensorwise): each operand is scaled from its own
+current amax, as ``torchao.float8.Float8Linear`` does natively and the emulate mode reproduces.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ class Precision(str, Enum):
 
     @property
     def scaled(self) -> bool:
-        """Whether casts use per-tensor (delayed) scaling."""
+        """Whether casts use per-tensor scaling (from the current amax, as torchao's)."""
         return self is Precision.FP8
 
     @property

@@ -2,7 +2,8 @@
 
 - :mod:`.formats`: the format registry (``get_format``).
 - :mod:`.quantize`: bit-exact rounding onto a format's grid (``quantize``).
-- :mod:`.scaling`: per-tensor delayed scaling for fp8/fp16 (``ScaledCast``).
+- :mod:`.scaling`: per-tensor scaling for fp8/fp16: current scaling as torchao's float8
+  training (``DynamicScaledCast``, ``amax_to_scale``) and delayed scaling (``ScaledCast``).
 - :mod:`.autograd`: rounding in forward and backward (``fake_quantize``).
 
 This package imports nothing else of autoprec, so the runtime and user code can build on it.
@@ -11,16 +12,26 @@ This package imports nothing else of autoprec, so the runtime and user code can 
 from .autograd import Caster, fake_quantize
 from .formats import FORMATS, Format, format_names, get_format
 from .quantize import ROUNDING_MODES, quantize, quantize_with_counts
-from .scaling import AMAX_RULES, ScaledCast, ScaledTensor
+from .scaling import (
+    AMAX_EPS,
+    AMAX_RULES,
+    DynamicScaledCast,
+    ScaledCast,
+    ScaledTensor,
+    amax_to_scale,
+)
 
 __all__ = [
+    "AMAX_EPS",
     "AMAX_RULES",
+    "DynamicScaledCast",
     "FORMATS",
     "ROUNDING_MODES",
     "Caster",
     "Format",
     "ScaledCast",
     "ScaledTensor",
+    "amax_to_scale",
     "fake_quantize",
     "format_names",
     "get_format",

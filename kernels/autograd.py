@@ -8,7 +8,8 @@ operands: tensor cores read low-precision operands and produce low-precision gra
 accumulation stays in fp32.
 
 A side may be a format name, a :class:`Format`, a :class:`ScaledCast` (scale, round, unscale:
-delayed scaling for fp8 and fp16) or ``None`` (leave that side in fp32).
+delayed scaling for fp8 and fp16), a :class:`DynamicScaledCast` (the same with the tensor's own
+amax, as torchao's float8 training) or ``None`` (leave that side in fp32).
 
 Example:
     >>> x = torch.randn(4, requires_grad=True)
@@ -23,25 +24,30 @@ from torch import Tensor
 
 from .formats import Format, get_format
 from .quantize import quantize
-from .scaling import ScaledCast
+from .scaling import DynamicScaledCast, ScaledCast
 
 __all__ = ["fake_quantize", "Caster"]
 
-Caster = str | Format | ScaledCast | None
+Caster = str | Format | ScaledCast | DynamicScaledCast | None
+_Scaled = (ScaledCast, DynamicScaledCast)
 
 
 def _apply(
-    x: Tensor, side: Format | ScaledCast | None, rounding: str, saturate: bool, generator
+    x: Tensor,
+    side: Format | ScaledCast | DynamicScaledCast | None,
+    rounding: str,
+    saturate: bool,
+    generator,
 ) -> Tensor:
     if side is None:
         return x
-    if isinstance(side, ScaledCast):
+    if isinstance(side, _Scaled):
         return side(x, generator=generator).dequantize()
     return quantize(x, side, rounding=rounding, saturate=saturate, generator=generator)
 
 
-def _resolve(side: Caster) -> Format | ScaledCast | None:
-    if side is None or isinstance(side, ScaledCast):
+def _resolve(side: Caster) -> Format | ScaledCast | DynamicScaledCast | None:
+    if side is None or isinstance(side, _Scaled):
         return side
     fmt = get_format(side)
     return None if fmt.name == "fp32" else fmt
@@ -76,9 +82,9 @@ def fake_quantize(
 
     Args:
         x: a float32, float16 or bfloat16 tensor.
-        forward: format (or ScaledCast) for the value; ``None``/``"fp32"`` leaves it unchanged.
-        backward: format (or ScaledCast) for the gradient; ``None``/``"fp32"`` passes it through.
-        rounding: ``"nearest"`` or ``"stochastic"`` for plain formats (a ScaledCast has its own).
+        forward: format (or scaled cast) for the value; ``None``/``"fp32"`` leaves it unchanged.
+        backward: format (or scaled cast) for the gradient; ``None``/``"fp32"`` passes it through.
+        rounding: ``"nearest"`` or ``"stochastic"`` for plain formats (a scaled cast has its own).
         saturate: clamp finite overflows to the largest finite value (plain formats).
         generator: random source for stochastic rounding.
 

@@ -1,4 +1,5 @@
-"""Per-tensor scaled casting with delayed scaling, as Transformer Engine does for fp8.
+"""Per-tensor scaled casting for fp8 (and fp16): current scaling, as torchao.float8's tensorwise
+recipe, and delayed scaling, as Transformer Engine.
 
 A narrow format (fp8, and fp16 for gradients) covers only a few binades, so a tensor is
 multiplied by a scale before it is cast and divided by it after. With *delayed scaling* the scale
@@ -12,6 +13,11 @@ with an empty history, scales by its own amax. A zero or non-finite amax keeps t
 Values that saturate (``|x * scale| > max_finite``) count as overflows, non-zero values that
 become zero count as underflows; the counters live on the tensor's device so that counting does
 not synchronise a GPU.
+
+With *current* (dynamic) scaling, :class:`DynamicScaledCast`, the scale comes from the tensor
+being cast, with nothing kept from one call to the next. This is what torchao's float8 training
+does by default (``Float8LinearConfig()``: tensorwise, dynamic, for input, weight and
+grad_output), and the runtime's emulate mode follows it bit for bit (:func:`amax_to_scale`).
 
 Example:
     >>> cast = ScaledCast("fp8_e4m3", history_len=16)
@@ -30,9 +36,20 @@ from torch import Tensor
 from .formats import Format, get_format
 from .quantize import ROUNDING_MODES, quantize
 
-__all__ = ["ScaledCast", "ScaledTensor", "AMAX_RULES"]
+__all__ = [
+    "AMAX_EPS",
+    "AMAX_RULES",
+    "DynamicScaledCast",
+    "ScaledCast",
+    "ScaledTensor",
+    "amax_to_scale",
+]
 
 AMAX_RULES = ("max", "most_recent")
+
+# torchao.float8.float8_utils.EPS: the smallest amax a scale is computed from, so that an
+# all-zero tensor gets a large finite scale instead of inf.
+AMAX_EPS = 1e-12
 
 
 class ScaledTensor(NamedTuple):
@@ -43,11 +60,35 @@ class ScaledTensor(NamedTuple):
     scale: Tensor
 
     def dequantize(self) -> Tensor:
-        """Back to the original range (float32)."""
-        return self.data / self.scale
+        """Back to the original range (float32): ``data`` times the inverse scale, which is what
+        torchao hands ``torch._scaled_mm`` (``scale.reciprocal()``), so that the dequantised
+        operands are those its fp8 GEMM multiplies."""
+        return self.data * self.scale.reciprocal()
 
 
-class ScaledCast:
+class _Counts:
+    """Counters every scaled cast keeps: overflows (values that could not be represented: see
+    each class's docstring), underflows (non-zero values flushed to zero) and values cast,
+    since the last reset."""
+
+    _overflows: Tensor | int
+    _underflows: Tensor | int
+    _numel: int
+
+    @property
+    def overflows(self) -> int:
+        return int(self._overflows)
+
+    @property
+    def underflows(self) -> int:
+        return int(self._underflows)
+
+    @property
+    def numel(self) -> int:
+        return self._numel
+
+
+class ScaledCast(_Counts):
     """Cast one tensor stream (a layer's activations, weights or gradients) with delayed scaling.
 
     Args:
@@ -99,21 +140,6 @@ class ScaledCast:
         self._numel = 0
 
     # --- state ----------------------------------------------------------------------------------
-    @property
-    def overflows(self) -> int:
-        """Values clamped to the largest finite value since the last reset."""
-        return int(self._overflows)
-
-    @property
-    def underflows(self) -> int:
-        """Non-zero values flushed to zero since the last reset."""
-        return int(self._underflows)
-
-    @property
-    def numel(self) -> int:
-        """Values cast since the last reset."""
-        return self._numel
-
     def state_dict(self) -> dict:
         return {
             "amax_history": self.amax_history.clone(),
@@ -193,4 +219,104 @@ class ScaledCast:
         return (
             f"ScaledCast(fmt={self.fmt.name!r}, history_len={self.history_len}, "
             f"margin={self.margin}, amax_rule={self.amax_rule!r}, rounding={self.rounding!r})"
+        )
+
+
+def amax_to_scale(amax: Tensor, fmt: str | Format, power_of_two: bool = False) -> Tensor:
+    """The scale that maps ``amax`` onto the format's largest finite value, as torchao computes it.
+
+    ``max_finite / max(amax, AMAX_EPS)`` in float64, returned as float32, optionally rounded down
+    to a power of two (``Float8LinearConfig.round_scales_to_power_of_2``), exactly as
+    ``torchao.float8.float8_utils.amax_to_scale``. On MPS, which has no float64, the division runs
+    in float32; for amax at least ``AMAX_EPS`` this gives the same bits (both operands are
+    float32 values, and a division rounded to 53 bits and then to 24 equals one rounded to 24).
+
+    Example:
+        >>> amax_to_scale(torch.tensor(2.0), "fp8_e4m3")
+        tensor(224.)
+    """
+    fmt = get_format(fmt)
+    wide = torch.float32 if amax.device.type == "mps" else torch.float64
+    scale = fmt.max_finite / torch.clamp(amax.to(wide), min=AMAX_EPS)
+    scale = scale.to(torch.float32)
+    if power_of_two:
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    return scale
+
+
+class DynamicScaledCast(_Counts):
+    """Cast one tensor stream with current scaling: each call scales by its own tensor's amax.
+
+    The cast is torchao's ``hp_tensor_to_float8_dynamic`` with tensorwise granularity:
+    ``scale = amax_to_scale(max|x|)``, ``data = fp8(clamp(float32(x) * scale, ±max_finite))``
+    (a saturating cast, as torchao's ``to_fp8_saturated``), bit for bit. No history is kept:
+    the only state is the counters.
+
+    Overflows count values the cast could not represent: non-finite inputs (an inf makes the
+    scale zero and the whole tensor NaN or zero, as in torchao) and scaled values that round
+    past the largest finite value (possible only with ``power_of_two=False`` rounding errors far
+    below one step, so in practice never). Underflows count non-zero values that became zero:
+    with current scaling, those more than the format's dynamic range below the tensor's amax.
+
+    Args:
+        fmt: target format, ``"fp8_e4m3"`` (forward operands) or ``"fp8_e5m2"`` (gradients).
+        power_of_two: round the scale down to a power of two, so scaling itself is exact.
+        rounding: ``"nearest"`` (torch's cast) or ``"stochastic"``.
+        count: keep the overflow/underflow counters (two reductions per call).
+
+    Example:
+        >>> cast = DynamicScaledCast("fp8_e4m3")
+        >>> out = cast(torch.tensor([2.0, -0.5]))
+        >>> out.scale, out.data
+        (tensor(224.), tensor([448., -112.]))
+    """
+
+    def __init__(
+        self,
+        fmt: str | Format = "fp8_e4m3",
+        power_of_two: bool = False,
+        rounding: str = "nearest",
+        count: bool = True,
+    ) -> None:
+        self.fmt = get_format(fmt)
+        if rounding not in ROUNDING_MODES:
+            raise ValueError(
+                f"unknown rounding {rounding!r}; expected one of {', '.join(ROUNDING_MODES)}"
+            )
+        self.power_of_two = power_of_two
+        self.rounding = rounding
+        self.count = count
+        self.reset()
+
+    def reset(self) -> None:
+        """Zero the counters."""
+        self._overflows: Tensor | int = 0
+        self._underflows: Tensor | int = 0
+        self._numel = 0
+
+    def __call__(self, x: Tensor, generator: torch.Generator | None = None) -> ScaledTensor:
+        """Scale ``x`` by its own amax, cast it with saturation, count what was lost."""
+        x32 = x.detach().float()
+        amax = x32.abs().amax() if x32.numel() else torch.zeros((), device=x32.device)
+        scale = amax_to_scale(amax, self.fmt, self.power_of_two)
+        limit = self.fmt.max_finite
+        scaled = x32 * scale
+        data = quantize(
+            scaled.clamp(-limit, limit),
+            self.fmt,
+            rounding=self.rounding,
+            saturate=True,
+            generator=generator,
+        )
+        if self.count:
+            lost = ~torch.isfinite(x32) | (scaled.abs() >= self.fmt.overflow_threshold)
+            self._overflows = self._overflows + lost.sum()
+            self._underflows = self._underflows + ((data == 0) & (x32 != 0)).sum()
+        self._numel += x32.numel()
+        return ScaledTensor(data, scale)
+
+    def __repr__(self) -> str:
+        return (
+            f"DynamicScaledCast(fmt={self.fmt.name!r}, power_of_two={self.power_of_two}, "
+            f"rounding={self.rounding!r})"
         )

@@ -72,14 +72,16 @@ def _matmul_rate(precision: str, size: int, device: str, repeats: int) -> float 
         return None
     a = torch.randn(size, size, device=device).to(dtype)
     b = torch.randn(size, size, device=device).to(dtype)
-    previous = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
+    # the fp32_precision settings, as the runtime sets them (torch refuses a mix with the
+    # older allow_tf32 switch)
+    previous = torch.backends.cuda.matmul.fp32_precision
+    torch.backends.cuda.matmul.fp32_precision = "tf32" if precision == "tf32" else "ieee"
     try:
         seconds = _median_time(lambda: a @ b, sync, repeats)
     except RuntimeError:
         return None
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = previous
+        torch.backends.cuda.matmul.fp32_precision = previous
     return 2 * size**3 / seconds
 
 

@@ -1,6 +1,10 @@
 """The mixed-precision runtime: apply a per-layer precision policy to any ``nn.Module``.
 
 - :mod:`.apply`: ``apply_policy`` (emulate and native modes), the handle, the overflow guard.
+- :mod:`.layer`: one managed layer's hooks, precision and promotions.
+- :mod:`.native`: native mode's program (autocast region, per-layer rules, TF32, torchao fp8).
+- :mod:`.functional`: weights used functionally (``F.linear(x, self.qkv.weight)``).
+- :mod:`.record`: ``OpRecorder``, a dispatch mode that records the casts and matmuls that ran.
 - :mod:`.casting`: per-layer casting state in emulate mode.
 - :mod:`.loss_scaler`: ``LossScaler``, dynamic loss scaling with GradScaler's interface.
 - :mod:`.layer_scaling`: ``apply_layer_scaling``, a delayed scale per fp16 layer's gradient.

@@ -211,7 +211,9 @@ def apply_layer_scaling(
         raise ValueError(f"history_len must be an integer >= 1, got {history_len!r}")
     chosen = {parse_precision(p) for p in precisions}
     if Precision.FP8 in chosen:
-        raise ValueError("fp8 layers already scale every tensor (delayed scaling); leave fp8 out")
+        raise ValueError(
+            "fp8 layers already scale every tensor (from its current amax); leave fp8 out"
+        )
     layers = {
         name: _ScaledLayer(name, layer, layer.precision.backward_format, history_len, margin)
         for name, layer in handle.layers.items()
