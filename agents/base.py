@@ -40,6 +40,12 @@ class StopSearch(Exception):
     partial :class:`SearchResult` (with ``stopped=True``)."""
 
 
+EMULATE_NOTE = (
+    "searched in emulate target mode: layers may use formats the target cannot run natively; "
+    "not for native training"
+)
+
+
 class BudgetSpent(Exception):
     """Raised by :meth:`Session.evaluate` for a new policy once the budget is used up; caught
     by :func:`search` (agents may also check :attr:`Session.exhausted` first)."""
@@ -75,6 +81,9 @@ class Problem:
     precisions: tuple[str, ...] = DEFAULT_PRECISIONS
     env_kwargs: dict[str, Any] = field(default_factory=dict)
     _table: Any = field(default=None, init=False, repr=False, compare=False)
+    _choices: dict[str, list[str]] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         if self.fidelity not in REAL_FIDELITIES:
@@ -121,8 +130,15 @@ class Problem:
         return [p for p in self.precisions if self.evaluator.device.supports(p)]
 
     def choices(self, layer: str) -> list[str]:
-        """Precisions ``layer`` may take: those of :attr:`precisions` the target supports."""
-        return self.supported()
+        """Precisions ``layer`` may take: those of :attr:`precisions` the target runs for this
+        layer (:mod:`autoprec.hardware.runnability`: e.g. no fp8 convolution natively).
+
+        Raises:
+            ValueError: no listed precision runs for some layer (the message names them).
+        """
+        if self._choices is None:
+            self._choices = layer_choices(self.evaluator, self.layers(), self.supported())
+        return list(self._choices.get(layer, self.supported()))
 
     def reward(self, metrics: Metrics) -> float:
         """:func:`autoprec.envs.reward` with this problem's weights and tolerance."""
@@ -172,6 +188,24 @@ class Problem:
             allowed = self.choices(name)
             out[name] = nearest_allowed(policy.get(name, Precision.FP32), allowed)
         return out
+
+
+def layer_choices(evaluator: Any, layers: Sequence[str], precisions: Sequence[str]) -> dict:
+    """``{layer: [precision, ...]}``: the ``precisions`` each layer runs at on the evaluator's
+    target in its ``target_mode`` (:func:`autoprec.hardware.runnability.runnable_precisions`,
+    the same masks as the environment's).
+
+    Raises:
+        ValueError: a layer for which none of ``precisions`` runs (named in the message).
+    """
+    if not hasattr(evaluator, "cost_table"):  # an evaluator-like test double
+        return {name: list(precisions) for name in layers}
+    from autoprec.hardware.runnability import runnable_precisions
+
+    mode = getattr(evaluator, "target_mode", "native")
+    table = evaluator.cost_table()
+    allowed = runnable_precisions(table, evaluator.device, precisions, mode)
+    return {name: [p.value for p in allowed.get(name, ())] or list(precisions) for name in layers}
 
 
 def nearest_allowed(precision: Any, allowed: Sequence[str]) -> str:
@@ -268,6 +302,8 @@ class SearchResult:
         budget: the real-evaluation budget it was given.
         stopped: a callback ended the search early (:class:`StopSearch`).
         target: the target device's name (for :meth:`best_policy`).
+        target_mode: ``"native"`` (the exported policy is for native training on the target)
+            or ``"emulate"`` (a study of formats; the file says it is not for native training).
         info: what the agent reports (study name, checkpoint path, ...).
     """
 
@@ -277,6 +313,7 @@ class SearchResult:
     budget: int = 0
     stopped: bool = False
     target: str | None = None
+    target_mode: str = "native"
     info: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -352,7 +389,7 @@ class SearchResult:
                 fingerprint=model_fingerprint(module),
                 tunable_layers=sum(1 for _ in tunable_layers(module)),
             ),
-            target=TargetInfo(device=self.target, mode="auto") if self.target else None,
+            target=TargetInfo(device=self.target, mode=self.target_mode) if self.target else None,
             metrics={k: float(v) for k, v in metrics.items() if math.isfinite(v)},
             provenance={
                 "agent": self.agent,
@@ -360,6 +397,7 @@ class SearchResult:
                 "trial": str(best.number),
                 "autoprec_version": autoprec.__version__,
                 "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                **({"note": EMULATE_NOTE} if self.target_mode == "emulate" else {}),
             },
         )
 
@@ -435,7 +473,12 @@ class Session:
         self.budget = budget
         self.seed = seed
         self.callbacks = list(callbacks)
-        self.result = SearchResult(agent=agent, budget=budget, target=problem.evaluator.device.name)
+        self.result = SearchResult(
+            agent=agent,
+            budget=budget,
+            target=problem.evaluator.device.name,
+            target_mode=getattr(problem.evaluator, "target_mode", "native"),
+        )
         self._seen: dict[tuple[str, ...], Trial] = {}
 
     @property

@@ -76,7 +76,9 @@ class MigrationStep:
         loss_delta, accuracy_delta, speedup, memory_ratio: of the policy tried.
         diverged: the run diverged (its loss delta is then the evaluator's penalty).
         feasible: the target runs the policy (and it fitted in memory).
-        accepted: the layers stayed low (False: reverted).
+        accepted: the layers stayed low: within the tolerance and paying (faster than before
+            the step, or as fast with less memory); False: reverted.
+        pays: the step was faster (or as fast and smaller) than the assignment before it.
         metrics: the evaluator's full :class:`~autoprec.evaluate.Metrics`.
     """
 
@@ -92,6 +94,7 @@ class MigrationStep:
     diverged: bool
     feasible: bool
     accepted: bool
+    pays: bool
     metrics: Metrics = field(repr=False, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
@@ -109,6 +112,7 @@ class MigrationStep:
             "diverged": bool(self.diverged),
             "feasible": bool(self.feasible),
             "accepted": bool(self.accepted),
+            "pays": bool(self.pays),
         }
 
 
@@ -307,7 +311,17 @@ def migrate(
     if not layers:
         raise MigrationError(f"model {evaluator.spec.name!r} has no tunable layers to migrate")
     run = _Migration(evaluator, low, float(tolerance), fid, layers, on_step)
-    blocks = layer_blocks(layers)
+    # only the layers the target runs at `low` (no fp8 convolution natively): the others
+    # stay fp32 and are not tried
+    unrunnable = getattr(evaluator, "unrunnable", lambda precisions: {})
+    movable = [name for name in layers if not unrunnable({name: low})]
+    if not movable:
+        raise MigrationError(
+            f"no layer of {evaluator.spec.name!r} runs at {low.value} natively on "
+            f"{evaluator.device.name}; choose another precision"
+        )
+    blocks = layer_blocks(movable)
+    layers = movable
     whole = run.attempt("model", "model", layers)
     if not whole.accepted:
         run.reset()
@@ -320,7 +334,8 @@ def migrate(
                 continue  # its block step already tried exactly this layer
             for name in sorted(members, key=lambda n: layer_sensitivity(table, n, low)):
                 run.attempt("layers", name, [name])
-    return run.result(blocks, whole.accepted, time.perf_counter() - start)
+    everything = whole.accepted and len(movable) == len(run.layers)
+    return run.result(blocks, everything, time.perf_counter() - start)
 
 
 class _Migration:
@@ -355,12 +370,13 @@ class _Migration:
         it is within the tolerance."""
         trial = {**self.current, **dict.fromkeys(lowered, self.low.value)}
         m = self.evaluator.evaluate(_policy(trial), self.fidelity)
-        accepted = bool(
-            not m.diverged
-            and m.feasible
-            and math.isfinite(m.loss_delta)
-            and m.loss_delta <= self.tolerance
+        # kept only within the tolerance and where lowering pays: faster, or as fast and
+        # smaller (on small layers the casts can cost more than the narrower matmul saves)
+        pays = m.speedup > self.metrics.speedup or (
+            m.speedup >= self.metrics.speedup and m.memory_ratio < self.metrics.memory_ratio
         )
+        within = math.isfinite(m.loss_delta) and m.loss_delta <= self.tolerance
+        accepted = bool(not m.diverged and m.feasible and within and pays)
         step = MigrationStep(
             number=len(self.steps) + 1,
             stage=stage,
@@ -374,6 +390,7 @@ class _Migration:
             diverged=m.diverged,
             feasible=m.feasible,
             accepted=accepted,
+            pays=pays,
             metrics=m,
         )
         if accepted:

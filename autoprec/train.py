@@ -484,9 +484,9 @@ def _check_policy(spec: Any, policy: PrecisionPolicy, dev: torch.device, mode: s
     """Raise :class:`PolicyMismatchError` unless ``policy`` fits the model (and device)."""
     target = None
     if mode == "native":  # emulation runs every precision anywhere
-        from autoprec.hardware import detect, get_device
+        from autoprec.runtime.native import local_device  # what apply_policy will check
 
-        target = detect() if dev.type == "cuda" else get_device("cpu")
+        target = local_device(dev.type)
     report = policy.validate(spec.module, target)
     if report.ok:
         return

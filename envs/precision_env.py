@@ -60,7 +60,9 @@ class PrecisionEnv(gym.Env):
 
     ``Discrete(len(precisions))``: action ``i`` is ``precisions[i]`` (by default
     ``0: fp32, 1: tf32, 2: bf16, 3: fp16, 4: fp8``). :meth:`action_masks` says which precisions
-    the target can run for the current layer (the sb3-contrib ``MaskablePPO`` convention). An
+    the target can run for the current layer (the sb3-contrib ``MaskablePPO`` convention), from
+    the runnability table (:mod:`autoprec.hardware.runnability`): on an NVIDIA target a
+    convolution cannot be fp8, nor a Linear whose shape torchao rejects. An
     action the target cannot run is replaced by the nearest *wider* precision it can run
     (``Precision.wider()`` repeatedly, among ``precisions``) and reported in
     ``info["remapped"]``.
@@ -256,16 +258,22 @@ class PrecisionEnv(gym.Env):
         self._sensitivity = _sensitivity_features(
             evaluator.surrogate().table, self.layers, self.precisions
         )
-        self._masks = np.array(
-            [[self.device.supports(p) for p in self.precisions] for _ in self.layers], dtype=bool
-        )
-        if not self._masks.any(axis=1).all():
+        from autoprec.hardware.runnability import runnable_precisions
+
+        supported = [p for p in self.precisions if self.device.supports(p)]
+        if not supported:
             raise ValueError(
                 f"none of the precisions {', '.join(p.value for p in self.precisions)} runs on "
                 f"{self.device.name} (it supports {', '.join(self.device.supported_precisions)}); "
                 "add one of those to precisions"
             )
-        supported = [p for p in self.precisions if self.device.supports(p)]
+        # one table for every agent's masks (agents.base.layer_choices reads the same)
+        mode = getattr(evaluator, "target_mode", "native")
+        allowed = runnable_precisions(self.table, self.device, supported, mode)
+        self._masks = np.array(
+            [[p in allowed[name] for p in self.precisions] for name in self.layers],
+            dtype=bool,
+        )
         self._layer_time = {
             (row.name, p): _seconds(self._cost.layer_cost(row, p))
             for row in self.table.rows

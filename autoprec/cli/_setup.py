@@ -37,7 +37,7 @@ def check_writable(folders: Iterable[Path], error: type[Exception]) -> None:
 def build_evaluator(o: dict[str, Any], device: Any, fidelity: str = "short") -> Any:
     """Model, data and evaluator from the shared options: fine-tuning at ``--image-size``
     (:data:`SMALL_IMAGE` for torchvision models), costs at ``--train-batch-size`` and
-    ``--train-image-size`` (default: the model's own)."""
+    ``--train-image-size`` (default: the model's own), feasibility in ``--target-mode``."""
     from autoprec.data import load_dataset_for
     from autoprec.evaluate import Evaluator
     from autoprec.models import load_model
@@ -65,4 +65,5 @@ def build_evaluator(o: dict[str, Any], device: Any, fidelity: str = "short") -> 
         seed=o["seed"],
         cost_spec=cost_spec,
         cost_batch_size=o["train_batch_size"],
+        target_mode=o.get("target_mode") or "native",
     )

@@ -70,14 +70,30 @@ def _summary(d) -> dict:
 
 @hardware.command()
 @click.argument("name")
-def show(name: str) -> None:
-    """Everything the database says about one accelerator, with sources."""
+@click.option(
+    "--model",
+    "model_name",
+    default=None,
+    help="Also say, per tunable layer of this model, which precisions run natively and why not.",
+)
+@click.option("--num-classes", type=int, default=1000, show_default=True)
+@click.option("--image-size", type=int, default=None)
+def show(name: str, model_name: str | None, num_classes: int, image_size: int | None) -> None:
+    """Everything the database says about one accelerator, with sources, and what runs on it
+    natively (per layer kind and precision: the backend, or why not)."""
     from autoprec.hardware import get_device
+    from autoprec.hardware.runnability import describe
 
     d = get_device(name)
     doc = _summary(d)
     doc["aliases"] = list(d.aliases)
     doc["sources"] = dict(d.sources)
+    doc["runnable"] = describe(d)
+    if model_name is not None:
+        from autoprec.graph import analyze_named
+
+        table = analyze_named(model_name, 1, num_classes=num_classes, image_size=image_size)
+        doc["layers"] = describe(d, table)
     click.echo(json.dumps(doc, indent=2))
 
 

@@ -133,7 +133,7 @@ def _target(name: str | None) -> Any:
 
 def _print_step(step: Any) -> None:
     what = f"{step.item} ({len(step.layers)} layers)" if len(step.layers) > 1 else step.item
-    verdict = "kept" if step.accepted else "reverted"
+    verdict = "kept" if step.accepted else "reverted" if step.pays else "reverted (no gain)"
     if step.diverged:
         verdict += " (diverged)"
     click.echo(
@@ -151,8 +151,8 @@ def _summary(result: Any) -> str:
         return f"migrated without intervention: every layer at {result.precision} ({outcome})"
     if not result.lowered:
         return (
-            f"nothing could be lowered within the tolerance ({result.tolerance:g}); every layer "
-            "stays fp32"
+            f"nothing could be lowered within the tolerance ({result.tolerance:g}) at a gain "
+            "in predicted speed or memory; every layer stays fp32"
         )
     return (
         f"migrated {len(result.lowered)} of {result.total_layers} layers to {result.precision} "

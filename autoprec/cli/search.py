@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import click
-import yaml
 
+from autoprec._datafile import DataFileError, parse_yaml, read_text
+from autoprec._text import EXCERPT_CHARS, excerpt
 from autoprec.cli._setup import (
     FALLBACK_TARGET,
     SMALL_IMAGE,
@@ -36,6 +37,11 @@ from autoprec.defaults import DEFAULT_DATASET
 
 AGENT_NAMES = ("ppo", "tpe", "nsga2", "random", "greedy", "baseline")
 DEFAULT_STORAGE = "sqlite:///autoprec-search.db"
+
+
+#: Speedups over AMP closer to 1 than this are "the same as AMP": the cost model's
+#: predictions do not separate them, so only the loss delta's noise would.
+AMP_SAME_SPEEDUP = 0.01
 
 
 class SearchSetupError(ValueError):
@@ -80,9 +86,19 @@ class SearchSetupError(ValueError):
 @click.option("--w-accuracy", type=float, default=10.0, show_default=True)
 @click.option(
     "--precisions",
-    default="fp32,tf32,bf16,fp16,fp8",
+    default=None,
+    help="The precisions the search may choose from, comma-separated (default: every one the "
+    "target runs, of fp32,tf32,bf16,fp16,fp8; each layer is further limited to what runs "
+    "natively for it, e.g. no fp8 convolution).",
+)
+@click.option(
+    "--target-mode",
+    type=click.Choice(["native", "emulate"]),
+    default="native",
     show_default=True,
-    help="The precisions the search may choose from (each must run on the target).",
+    help="native: every layer must run natively on the target (the policy is for production "
+    "training); emulate: a study of formats, any layer kind at any format the target lists "
+    "(the exported file says it is not for native training).",
 )
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--num-classes", type=int, default=10, show_default=True)
@@ -110,7 +126,8 @@ class SearchSetupError(ValueError):
     type=click.Path(dir_okay=False),
     default="best_policy.yaml",
     show_default=True,
-    help="Where the best policy is written.",
+    help="Where the best policy is written (every evaluated trial goes to "
+    "<out stem>.trials.csv beside it, or to trials.csv in --pareto-dir).",
 )
 @click.option(
     "--pareto-dir",
@@ -156,36 +173,54 @@ def search(ctx: click.Context, **options: Any) -> None:
 
 
 def _merge_config(ctx: click.Context, options: dict[str, Any]) -> dict[str, Any]:
-    """Options from ``--config`` where the command line left the default."""
+    """Options from ``--config`` where the command line left the default.
+
+    The file is read as every user file is (:mod:`autoprec._datafile`: bounded size and
+    nesting, no YAML aliases, one-line errors that quote a short excerpt); an option given as
+    null (``budget:`` with nothing after it) keeps its default.
+    """
     path = options.pop("config_path")
     if path is None:
         return options
+    source, what = f"config {path}", "config file"
     try:
-        doc = yaml.safe_load(Path(path).read_text())
-    except OSError as err:
-        raise SearchSetupError(f"cannot read config {path}: {err.strerror or err}") from None
-    except yaml.YAMLError as err:
-        raise SearchSetupError(f"config {path} is not valid YAML: {err}") from None
+        doc, line_of = parse_yaml(read_text(Path(path), source, what), source, what)
+    except DataFileError as err:
+        raise SearchSetupError(str(err)) from None
     if doc is None:
         return options
     if not isinstance(doc, Mapping):
-        raise SearchSetupError(f"config {path} must be a mapping of option: value")
+        raise SearchSetupError(
+            f"{source} must be a mapping of option: value; got {excerpt(doc)} "
+            f"({type(doc).__name__})"
+        )
     names = {p.name: p for p in ctx.command.params if p.name != "config_path"}
     aliases = {"model": "model_name"}
     for key, value in doc.items():
+        where = f"{source}, line {line_of((key,))}"
         name = aliases.get(str(key).replace("-", "_"), str(key).replace("-", "_"))
         if name not in names:
             valid = sorted({("model" if n == "model_name" else n) for n in names})
             raise SearchSetupError(
-                f"config {path}: unknown key {key!r}; valid keys: {', '.join(valid)}"
+                f"{where}: unknown key {excerpt(key)}; valid keys: {', '.join(valid)}"
             )
-        source = ctx.get_parameter_source(name)
-        if source is not None and source.name != "DEFAULT":
+        if value is None:
+            continue
+        if isinstance(value, (list, dict)):  # every option takes a single value
+            raise SearchSetupError(
+                f"{where}: {key}: expected a single value; got {excerpt(value)} "
+                f"({type(value).__name__})"
+            )
+        given = ctx.get_parameter_source(name)
+        if given is not None and given.name != "DEFAULT":
             continue  # the command line wins
+        param = names[name]
         try:
-            options[name] = names[name].type_cast_value(ctx, value)
-        except click.BadParameter as err:
-            raise SearchSetupError(f"config {path}: {key}: {err.message}") from None
+            options[name] = param.type_cast_value(ctx, value)
+        except (click.BadParameter, OverflowError) as err:  # float(10**400) overflows
+            short = isinstance(err, click.BadParameter) and len(str(value)) <= EXCERPT_CHARS
+            detail = err.message if short else f"{excerpt(value)} is not a valid {param.type.name}"
+            raise SearchSetupError(f"{where}: {key}: {detail}") from None
     return options
 
 
@@ -263,6 +298,8 @@ class _SearchRun:
                 f"no GPU here: optimising for {FALLBACK_TARGET} (choose with --target); "
                 "precisions are emulated and costs predicted by the cost model"
             )
+        if o["precisions"] is None:  # every precision the target runs, in action order
+            o["precisions"] = ",".join(device.supported_precisions)
         precisions = tuple(p.strip() for p in o["precisions"].split(",") if p.strip())
         parsed = [parse_precision(p) for p in precisions]
         lacking = [p.value for p in parsed if not device.supports(p)]
@@ -317,7 +354,9 @@ class _SearchRun:
             storage = o["storage"] or DEFAULT_STORAGE
             if not o["resume"] and not o["study_name"]:
                 name = _fresh_study_name(storage, name)
-            self.console.print(f"optuna study {name!r} in {storage}")
+            from autoprec.agents.optuna_agents import shown_storage
+
+            self.console.print(f"optuna study {name!r} in {shown_storage(storage)}")
             return {"storage": storage, "study_name": name}
         if o["agent"] == "ppo":
             folder = cache_dir() / "agents" / _safe(name)
@@ -455,7 +494,21 @@ class _SearchRun:
             f"({len(result.real_trials)} real evaluations)"
         )
         if amp_reward is not None:
-            if problem_reward > amp_reward:
+            low = self.device.preferred.low
+            same_map = set(best.policy.values()) == {low}  # the best policy is blanket AMP
+            same_cost = abs(m.speedup_vs_amp - 1.0) < AMP_SAME_SPEEDUP
+            if same_map or same_cost:
+                why = (
+                    "the best policy is blanket AMP itself"
+                    if same_map
+                    else f"predicted speedup within {AMP_SAME_SPEEDUP:.0%} of AMP's; the reward "
+                    "margin is the loss delta of short fine-tunes, within their noise"
+                )
+                self.console.print(
+                    f"same as AMP ({amp.speedup:.2f}x, loss delta {amp.loss_delta:+.4f}, "
+                    f"reward {amp_reward:.3f}): {why}"
+                )
+            elif problem_reward > amp_reward:
                 self.console.print(
                     f"better than AMP ({amp.speedup:.2f}x, loss delta {amp.loss_delta:+.4f}, "
                     f"reward {amp_reward:.3f}) under the reward"

@@ -186,7 +186,8 @@ def train(
     resumed = f", resumed from step {result.resumed_from}" if result.resumed_from else ""
     last = f"{result.train_loss[-1]:.4f}" if result.train_loss else "-"
     click.echo(
-        f"done: {result.steps} steps ({result.epochs} epochs of {result.steps_per_epoch}) in "
+        f"done: {result.steps} steps ({result.steps / max(result.steps_per_epoch, 1):.2f} "
+        f"epochs of {result.steps_per_epoch} steps) in "
         f"{result.wall_time_s:.1f} s, world size {result.world_size}, mode {result.mode}"
         f"{resumed}; last train loss {last}, val loss {result.val_loss:.4f}, val accuracy "
         f"{result.val_accuracy:.2%}; overflows {result.overflows}, skipped steps "

@@ -52,6 +52,7 @@ from autoprec.evaluate.metrics import Metrics
 from autoprec.evaluate.surrogate import Surrogate
 from autoprec.hardware import CostModel, DeviceSpec, detect, get_device
 from autoprec.hardware.defaults import amp_policy
+from autoprec.hardware.runnability import float8_available
 from autoprec.layers import model_fingerprint
 from autoprec.policy import PrecisionPolicy
 from autoprec.precision import Precision, parse_precision
@@ -161,12 +162,17 @@ class Evaluator:
         finetune_lr: SGD learning rate while fine-tuning under a policy (default
             :data:`FINETUNE_LR`); None: ``lr``.
         momentum: SGD momentum while fine-tuning under a policy (:data:`FINETUNE_MOMENTUM`).
+        target_mode: ``"native"``: a policy is feasible only if every layer runs natively on
+            the target (:mod:`autoprec.hardware.runnability`: no fp8 convolution, torchao's
+            shape rules, ...); ``"emulate"``: a study of formats the target lacks, anything
+            the device's format list holds is feasible.
 
     Divergence (a non-finite loss while fine-tuning, an exception in training, or a final
     loss above 10x fp32's) never raises: the result has ``diverged=True``, ``accuracy=0``,
     ``loss = 11 x fp32_loss`` (so ``loss_delta = 10.0``, above any run that did not diverge)
     and ``val_loss = 11 x`` fp32's. Precisions the target cannot run are still evaluated
-    (emulated) with ``feasible=False``; their cost is estimated as fp32 for those layers. Out
+    (emulated) with ``feasible=False``; their cost is estimated as fp32 for those layers (in
+    ``native`` target mode, a layer is runnable as :mod:`autoprec.hardware.runnability` says). Out
     of memory on a measured run gives ``feasible=False`` with the same penalties.
 
     Attributes:
@@ -196,10 +202,14 @@ class Evaluator:
         cache_dir: str | Path | None = None,
         cost_spec: Any = None,
         cost_batch_size: int | None = None,
+        target_mode: str = "native",
     ) -> None:
         self.spec = spec
         self.data = data
         self.device = detect() if target is None else get_device(target)
+        if target_mode not in ("native", "emulate"):
+            raise ValueError(f"target_mode must be native or emulate, got {target_mode!r}")
+        self.target_mode = target_mode
         self.fidelity = self._check_fidelity(fidelity)
         if steps is not None and (not isinstance(steps, int) or steps < 1):
             raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
@@ -237,6 +247,8 @@ class Evaluator:
             ],
             "device": self.device.name,
             "mode": self.mode,
+            "target_mode": target_mode,
+            "float8": float8_available(),  # what runs natively (the runnability table)
             "steps": self.steps,
             "replicates": self.replicates,
             "batch_seed": self.batch_seed,
@@ -413,6 +425,9 @@ class Evaluator:
         start = time.perf_counter()
         state = self._warm_start()
         dev = torch.device("cuda") if self.measured else torch.device("cpu")
+        mode = self.mode
+        if mode == "native" and self.unrunnable(policy.resolve(self.spec.module)):
+            mode = "emulate"  # scored for its accuracy only: it is infeasible on the target
         self.runs += 1
         losses, val_losses, accuracies, times = [], [], [], []
         for replicate in range(self.replicates[fidelity]):
@@ -428,7 +443,7 @@ class Evaluator:
             )
             handle = None
             try:
-                handle = apply_policy(model, policy, mode=self.mode)
+                handle = apply_policy(model, policy, mode=mode)
                 scaler = LossScaler.from_config(policy.loss_scaling, device=dev)
                 opt = torch.optim.SGD(
                     model.parameters(), lr=self.finetune_lr, momentum=self.momentum
@@ -511,15 +526,34 @@ class Evaluator:
         return total_loss / max(count, 1), correct / max(labels, 1)
 
     # --- cost -------------------------------------------------------------------------------
-    def _estimate(self, precisions: Mapping[str, Precision]) -> tuple[float, int]:
+    def cost_table(self) -> Any:
+        """The layer table of :attr:`cost_spec` at :attr:`cost_batch_size` (cached)."""
         if self._table is None:
             from autoprec.graph import analyze
 
             self._table = analyze(self.cost_spec, self.cost_batch_size, cache=True)
-        runnable = {
-            n: (p if self.device.supports(p) else Precision.FP32) for n, p in precisions.items()
-        }
-        est = self._cost.step(self._table, runnable, batch_size=self.cost_batch_size)
+        return self._table
+
+    def unrunnable(self, precisions: Mapping[str, Precision]) -> dict[str, str]:
+        """``{layer: reason}`` for the layers of ``precisions`` the target cannot run in its
+        :attr:`target_mode` (the runnability table; layers the table lacks are not judged)."""
+        from autoprec.hardware.runnability import verdict_for_row
+
+        rows = {row.name: row for row in self.cost_table().rows}
+        out = {}
+        for name, p in precisions.items():
+            if name in rows:
+                verdict = verdict_for_row(rows[name], p, self.device, self.target_mode)
+                if not verdict.runnable:
+                    out[name] = verdict.reason
+            elif not self.device.supports(p):
+                out[name] = f"{self.device.name} has no {parse_precision(p).value} tensor cores"
+        return out
+
+    def _estimate(self, precisions: Mapping[str, Precision]) -> tuple[float, int]:
+        bad = self.unrunnable(precisions)
+        runnable = {n: (Precision.FP32 if n in bad else p) for n, p in precisions.items()}
+        est = self._cost.step(self.cost_table(), runnable, batch_size=self.cost_batch_size)
         return est.step_time_s, int(est.memory_bytes)
 
     def _amp_cost(self, fidelity: str) -> tuple[float, int]:
@@ -548,7 +582,7 @@ class Evaluator:
         step_time, memory = self._estimate(precisions)
         ref_time, ref_memory = self._estimate({n: Precision.FP32 for n in precisions})
         amp_time, amp_memory = self._estimate(amp_policy(self.device).resolve(self.spec.module))
-        feasible = all(self.device.supports(p) for p in precisions.values())
+        feasible = not self.unrunnable(precisions)
         return Metrics(
             accuracy=reference.accuracy,
             loss=reference.loss * (1.0 + loss_delta),
@@ -593,9 +627,7 @@ class Evaluator:
         else:
             loss, val_loss, accuracy = run.loss, run.val_loss, run.accuracy
         loss_delta = PENALTY_LOSS_DELTA if diverged else (loss - ref_loss) / max(ref_loss, 1e-12)
-        feasible = not run.out_of_memory and all(
-            self.device.supports(p) for p in precisions.values()
-        )
+        feasible = not run.out_of_memory and not self.unrunnable(precisions)
         return Metrics(
             accuracy=accuracy,
             loss=loss,

@@ -99,15 +99,23 @@ def test_same_policy_in_fresh_evaluators_is_deterministic(spec, data, tmp_path):
     assert ma.loss == mb.loss and ma.accuracy == mb.accuracy and ma.val_loss == mb.val_loss
 
 
-def test_fp8_hurts_more_than_bf16_on_tinycnn(spec, data):
-    # Default steps and warm start, init seed 0 (deterministic). Measured: bf16 loss_delta
-    # 0.014, fp8 0.96. Not a law at 30 steps: with init/evaluator seeds 1, 2, 3 the pairs were
-    # (0.008, -0.126), (-0.003, 0.163), (0.008, 0.089), i.e. fp8 < bf16 once in four.
-    ev = Evaluator(spec, data, "h100-sxm")
+def test_fp8_moves_the_loss_more_than_bf16_on_tinycnn(spec, data):
+    # Default steps and warm start, init seed 0 (deterministic). With torchao's tensorwise
+    # recipe (scales from the current amax) fp8 no longer hurts here as delayed scaling did
+    # (bf16 loss_delta 0.014, fp8 0.96 then); measured now: bf16 -0.0032, fp8 -0.0089. Three
+    # mantissa bits still move the fine-tune further from fp32's than seven do.
+    # fp8 on tinycnn's convolutions is a study of formats (emulate target mode): natively the
+    # H100 has no fp8 convolution, so there the same policy is infeasible
+    ev = Evaluator(spec, data, "h100-sxm", target_mode="emulate")
     bf16, fp8 = ev.evaluate("bf16"), ev.evaluate("fp8")
     assert bf16.feasible and fp8.feasible
-    assert fp8.loss_delta > bf16.loss_delta
+    assert abs(fp8.loss_delta) > abs(bf16.loss_delta)
     assert abs(bf16.loss_delta) < 0.1
+    native = Evaluator(spec, data, "h100-sxm")
+    assert native.unrunnable({"conv1": "fp8", "fc1": "fp8"}) == {
+        "conv1": "no fp8 convolution kernel (torchao float8 is Linear-only)"
+    }
+    assert not native.evaluate("fp8").feasible and native.evaluate("bf16").feasible
 
 
 def test_metrics_round_trip_and_bad_arguments(spec, data):

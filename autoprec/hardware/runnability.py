@@ -1,0 +1,275 @@
+"""What can run natively: per (layer kind, precision, target) the backend that runs it, or why not.
+
+This is the single table that the action masks, the cost model and the runtime read, so that a
+search never proposes a program production training cannot run.
+
+| kind        | fp32  | tf32  | bf16 / fp16 | fp8                                          |
+|-------------|-------|-------|-------------|----------------------------------------------|
+| ``conv``    | plain | TF32  | autocast    | no: no fp8 convolution kernel                |
+| ``linear``  | plain | TF32  | autocast    | torchao ``Float8Linear`` (K, N % 16 == 0)    |
+| ``matmul``  | plain | TF32  | autocast    | no: not an ``nn.Linear`` torchao can swap    |
+| ``attention`` | plain | TF32 | autocast   | no: its projections are not Linear modules   |
+
+(TF32: the TF32 switches, held through backward; autocast: ``torch.autocast``-style
+low-precision compute.)
+
+- The target must list the precision in ``supported_precisions`` (its tensor cores run it).
+- fp8 is torchao's float8 training (``torchao.float8.convert_to_float8_training``), which swaps
+  ``nn.Linear`` modules only: PyTorch has no fp8 convolution (torchao float8 and Transformer
+  Engine are Linear-only), ``nn.MultiheadAttention`` calls its projection weights functionally,
+  and a ``matmul`` layer (a weight used by ``F.linear``/``torch.addmm`` outside an
+  ``nn.Linear``'s own forward, such as Hugging Face's ``Conv1D``) is not a module torchao swaps.
+  torchao's rule for the shapes: the weight's input and output features (K and N of the GEMM)
+  must be divisible by 16 (``_auto_filter_for_recipe``, "hardware requirement for float8").
+  Without torchao installed, fp8 is not runnable natively.
+- A target in ``emulate`` mode (a study of formats on layers the backends cannot run them on,
+  e.g. fp8 convolutions) runs any layer kind at any format the target lists, through
+  autoprec's emulation; a policy made that way is not for native training. A format the
+  target lacks altogether stays out (the cost model has no rate for it).
+
+This module imports neither torch nor torchao (``importlib.util.find_spec`` looks torchao up),
+so that masks and costs of a cached layer table need no torch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from enum import Enum
+from functools import cache
+from typing import TYPE_CHECKING, Any
+
+from autoprec.precision import Precision, parse_precision
+
+if TYPE_CHECKING:
+    from autoprec.graph.table import LayerRow, LayerTable
+    from autoprec.hardware.database import DeviceSpec
+
+__all__ = [
+    "Backend",
+    "FLOAT8_DIVISOR",
+    "LAYER_KINDS",
+    "NotRunnableError",
+    "Verdict",
+    "check_runnable",
+    "describe",
+    "float8_available",
+    "layer_kind",
+    "runnability",
+    "runnable_precisions",
+    "verdict_for_row",
+]
+
+FLOAT8_DIVISOR = 16  # torchao: K and N of an fp8 GEMM must be multiples of 16
+LAYER_KINDS = ("conv", "linear", "matmul", "attention")
+NATIVE_MODES = ("native", "auto")
+
+
+class Backend(str, Enum):
+    """What executes a layer's matrix work."""
+
+    PLAIN = "fp32"  # fp32 kernels, TF32 off
+    TF32 = "tf32"  # fp32 storage, TF32 tensor-core math, forward and backward
+    AUTOCAST = "autocast"  # low-precision compute as torch.autocast casts it
+    FLOAT8 = "torchao.float8"  # torchao Float8Linear (tensorwise dynamic scaling)
+    EMULATE = "emulate"  # autoprec's bit-exact emulation (emulate-mode targets)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class NotRunnableError(ValueError):
+    """A policy asks for something the target cannot run natively; ``layers`` names them."""
+
+    def __init__(self, message: str, layers: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.layers = dict(layers or {})
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether one layer runs at one precision, through which backend, and if not, why."""
+
+    precision: Precision
+    backend: Backend | None
+    reason: str = ""
+
+    @property
+    def runnable(self) -> bool:
+        return self.backend is not None
+
+    def __str__(self) -> str:
+        return str(self.backend) if self.runnable else f"no ({self.reason})"
+
+
+@cache
+def float8_available() -> bool:
+    """Whether torchao (its float8 training) is installed (``pip install -e ".[fp8]"``)."""
+    return importlib.util.find_spec("torchao") is not None
+
+
+def layer_kind(type_name: str, *, swappable: bool = True) -> str:
+    """The runnability kind of a layer from its module type name.
+
+    Args:
+        type_name: the class name as in ``LayerRow.type`` (``"Conv2d"``, ``"Linear"``, ...).
+        swappable: False when the layer's weight is used functionally (its own ``forward``
+            does not run), so that torchao cannot swap it even if it is an ``nn.Linear``.
+    """
+    if type_name in ("Conv1d", "Conv2d", "Conv3d") or type_name.startswith("ConvTranspose"):
+        return "conv"
+    if type_name == "MultiheadAttention":
+        return "attention"
+    if type_name.endswith("Linear") and swappable:  # Linear, NonDynamicallyQuantizableLinear
+        return "linear"
+    return "matmul"
+
+
+def _base(precision: Precision) -> Backend:
+    if precision is Precision.FP32:
+        return Backend.PLAIN
+    if precision is Precision.TF32:
+        return Backend.TF32
+    return Backend.AUTOCAST
+
+
+def runnability(
+    kind: str,
+    precision: str | Precision,
+    device: DeviceSpec | Iterable[str],
+    *,
+    features: tuple[int, int] | None = None,
+    mode: str = "native",
+) -> Verdict:
+    """The verdict for one layer kind at one precision on one target.
+
+    Args:
+        kind: one of :data:`LAYER_KINDS` (see :func:`layer_kind`).
+        precision: the layer's precision.
+        device: a :class:`~autoprec.hardware.DeviceSpec`, or the names of the precisions the
+            target's hardware runs.
+        features: ``(in_features, out_features)`` of a linear layer (K and N of its GEMM).
+        mode: ``"native"`` / ``"auto"`` (what runs natively) or ``"emulate"`` (anything runs).
+
+    Raises:
+        ValueError: unknown kind, precision or mode.
+    """
+    p = parse_precision(precision)
+    if kind not in LAYER_KINDS:
+        raise ValueError(f"unknown layer kind {kind!r}; expected one of {', '.join(LAYER_KINDS)}")
+    if mode not in (*NATIVE_MODES, "emulate"):
+        raise ValueError(f"unknown mode {mode!r}; expected native, auto or emulate")
+    supported = getattr(device, "supported_precisions", device)
+    name = getattr(device, "name", "the target")
+    if p.value not in tuple(supported):  # nothing to price it with, even in a study
+        return Verdict(p, None, f"{name} has no {p.value} tensor cores")
+    if mode == "emulate":
+        return Verdict(p, Backend.EMULATE)
+    if p is not Precision.FP8:
+        return Verdict(p, _base(p))
+    if kind == "conv":
+        return Verdict(p, None, "no fp8 convolution kernel (torchao float8 is Linear-only)")
+    if kind == "attention":
+        return Verdict(p, None, "attention projections are not nn.Linear modules torchao swaps")
+    if kind == "matmul":
+        return Verdict(p, None, "weight used functionally, not an nn.Linear torchao swaps")
+    if features is not None and any(f % FLOAT8_DIVISOR for f in features):
+        k, n = features
+        return Verdict(
+            p, None, f"in/out features {k}x{n} not multiples of {FLOAT8_DIVISOR} (torchao)"
+        )
+    if not float8_available():
+        return Verdict(p, None, 'torchao is not installed (pip install "autoprec[fp8]")')
+    return Verdict(p, Backend.FLOAT8)
+
+
+def verdict_for_row(
+    row: LayerRow, precision: str | Precision, device: Any, mode: str = "native"
+) -> Verdict:
+    """:func:`runnability` of an analysed layer (its kind and shape from the table)."""
+    kind = getattr(row, "kind", "") or layer_kind(row.type)
+    return runnability(kind, precision, device, features=(row.fan_in, row.fan_out), mode=mode)
+
+
+def runnable_precisions(
+    table: LayerTable,
+    device: Any,
+    precisions: Iterable[str | Precision],
+    mode: str = "native",
+) -> dict[str, tuple[Precision, ...]]:
+    """For each layer of ``table``, the precisions of ``precisions`` that run on ``device``
+    (the per-layer action masks of the environment and of every agent).
+
+    Raises:
+        NotRunnableError: a layer for which none of ``precisions`` runs (named in the message).
+    """
+    choices = [parse_precision(p) for p in precisions]
+    out = {
+        row.name: tuple(p for p in choices if verdict_for_row(row, p, device, mode).runnable)
+        for row in table.rows
+    }
+    empty = {name: "none of " + ", ".join(p.value for p in choices) for name, ok in out.items()}
+    empty = {name: why for name, why in empty.items() if not out[name]}
+    if empty:
+        raise NotRunnableError(describe_unrunnable(empty, getattr(device, "name", "the target")))
+    return out
+
+
+def describe(
+    device: Any, table: LayerTable | None = None, mode: str = "native"
+) -> dict[str, dict[str, str]]:
+    """The table as text, for ``autoprec hardware show`` and ``autoprec analyze``: per layer
+    kind (or, with ``table``, per layer) and precision, the backend or ``"no: <reason>"``."""
+    from autoprec.precision import PRECISION_NAMES
+
+    def text(verdict: Verdict) -> str:
+        return str(verdict.backend) if verdict.runnable else f"no: {verdict.reason}"
+
+    if table is None:
+        return {
+            kind: {p: text(runnability(kind, p, device, mode=mode)) for p in PRECISION_NAMES}
+            for kind in LAYER_KINDS
+        }
+    return {
+        row.name: {p: text(verdict_for_row(row, p, device, mode)) for p in PRECISION_NAMES}
+        for row in table.rows
+    }
+
+
+def check_runnable(
+    table: LayerTable,
+    precisions: Mapping[str, str | Precision],
+    device: Any,
+    mode: str = "native",
+) -> None:
+    """Refuse a policy that the target cannot run natively.
+
+    Args:
+        table: the model's layer table.
+        precisions: ``{layer: precision}`` (layers the table lacks are not checked).
+        device: the target (see :func:`runnability`).
+        mode: the target's mode; ``"emulate"`` accepts anything.
+
+    Raises:
+        NotRunnableError: one line naming the layers (the first few) and why.
+    """
+    rows = {row.name: row for row in table.rows}
+    bad = {}
+    for name, p in precisions.items():
+        if name in rows:
+            verdict = verdict_for_row(rows[name], p, device, mode)
+            if not verdict.runnable:
+                bad[name] = f"{parse_precision(p).value}: {verdict.reason}"
+    if bad:
+        raise NotRunnableError(describe_unrunnable(bad, getattr(device, "name", "the target")), bad)
+
+
+def describe_unrunnable(bad: Mapping[str, str], target: str, shown: int = 4) -> str:
+    """One line naming the first ``shown`` unrunnable layers and their reasons."""
+    items = [f"{name} ({why})" for name, why in list(bad.items())[:shown]]
+    more = f" and {len(bad) - shown} more" if len(bad) > shown else ""
+    return (
+        f"{len(bad)} layer(s) cannot run natively on {target}: {'; '.join(items)}{more}; "
+        "choose a runnable precision for them, or set target.mode: emulate"
+    )
