@@ -102,7 +102,8 @@ def compare_searches(
     Returns:
         Dicts with the keys of :data:`COLUMNS`: ids and settings as strings (``budget`` and
         ``seed`` as ints), metrics as floats, None where the run lacks one (a search that is
-        still running or was interrupted before its end), ``start_time`` as ISO 8601 (UTC).
+        still running or was interrupted before its end), ``start_time`` as ISO 8601 (UTC, to
+        the millisecond, so that searches started within one second still sort in order).
 
     Raises:
         UnknownExperimentError: ``experiment`` was given and does not exist.
@@ -144,7 +145,8 @@ def sort_rows(rows: Iterable[dict[str, Any]], column: str = "best_reward") -> li
     Best first means descending for reward, speedup, accuracy delta, evaluations and budget,
     newest first for ``start_time``, ascending for the rest (loss delta, memory ratio, wall
     time, text). A ``:asc`` or ``:desc`` suffix chooses the direction (``"speedup:asc"``).
-    Dashes count as underscores (``"loss-delta"``).
+    Dashes count as underscores (``"loss-delta"``). Rows that tie keep a fixed order: the
+    newest search first, then by run id.
 
     Raises:
         CompareError: an unknown column or direction.
@@ -156,8 +158,11 @@ def sort_rows(rows: Iterable[dict[str, Any]], column: str = "best_reward") -> li
     if direction not in ("", "asc", "desc"):
         raise CompareError(f"unknown sort direction {direction!r} in {column!r}; use :asc or :desc")
     descending = _DESCENDING.get(name, False) if not direction else direction == "desc"
-    present = [r for r in rows if _sortable(r.get(name))]
-    absent = [r for r in rows if not _sortable(r.get(name))]
+    # ties (and the rows that lack the value) keep a fixed order: newest first, then run id
+    ordered = sorted(rows, key=lambda r: str(r.get("run_id") or ""))
+    ordered.sort(key=lambda r: str(r.get("start_time") or ""), reverse=True)  # stable
+    present = [r for r in ordered if _sortable(r.get(name))]
+    absent = [r for r in ordered if not _sortable(r.get(name))]
     present.sort(key=lambda r: r[name], reverse=descending)
     return present + absent
 
@@ -301,7 +306,7 @@ def _row(run: Any, experiment: str) -> dict[str, Any] | None:
         row["evaluations"] = int(row["evaluations"])
     start = info.start_time
     row["start_time"] = (
-        datetime.fromtimestamp(start / 1000, tz=timezone.utc).isoformat(timespec="seconds")
+        datetime.fromtimestamp(start / 1000, tz=timezone.utc).isoformat(timespec="milliseconds")
         if start
         else None
     )

@@ -24,6 +24,8 @@ from autoprec.defaults import DEFAULT_DATASET
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 T = TypeVar("T")
 _ARGV: list[str] = []  # the options parse_args last read, for invocation()
+_QUICK = [False]  # whether that run is a --quick or --dry-run one (see docs_output)
+_OUTPUTS = ("plot", "csv")  # Args fields naming files a run writes (besides --docs)
 
 
 def cpu_name() -> str:
@@ -54,8 +56,26 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
+def docs_output(path: Path) -> Path:
+    """``path``, checked before anything is written to it: a quick or dry run (``--quick``,
+    ``--dry-run``) writes nothing under docs/, so its numbers never replace the committed ones.
+
+    Raises:
+        SystemExit: a quick or dry run and ``path`` lies under docs/.
+    """
+    docs = DOCS.parent.resolve()
+    if _QUICK[0] and Path(path).resolve().is_relative_to(docs):
+        raise SystemExit(
+            f"a --quick or --dry-run run writes nothing under docs/ (asked to write {path}); "
+            "point --docs / --plot elsewhere, or drop --quick / --dry-run"
+        )
+    return path
+
+
 def write_section(name: str, body: str, path: Path = DOCS) -> None:
-    """Replace (or append) the section between ``<!-- name:start/end -->`` markers, atomically."""
+    """Replace (or append) the section between ``<!-- name:start/end -->`` markers, atomically
+    (never under docs/ in a quick or dry run: :func:`docs_output`)."""
+    docs_output(path)
     start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
     if path.exists():
         text = path.read_text()
@@ -76,7 +96,11 @@ def write_section(name: str, body: str, path: Path = DOCS) -> None:
 def parse_args(cls: type[T], description: str, argv: Sequence[str] | None = None) -> T:
     """An instance of the dataclass ``cls`` from the command line: one ``--field-name`` option
     per field, its default the field's; bools are flags, lists and tuples take several values,
-    ``X | None`` fields accept X. A field's ``metadata={"help": ...}`` is its help text."""
+    ``X | None`` fields accept X. A field's ``metadata={"help": ...}`` is its help text.
+
+    A quick or dry run (a true ``quick`` or ``dry_run`` field) that names an output under docs/
+    (``--plot``, ``--csv``, or ``--docs`` with ``--write-docs``) is refused here, before any
+    work (:func:`docs_output`)."""
     hints = typing.get_type_hints(cls)
     parser = argparse.ArgumentParser(description=description)
     for f in dataclasses.fields(cls):
@@ -103,6 +127,16 @@ def parse_args(cls: type[T], description: str, argv: Sequence[str] | None = None
     for f in dataclasses.fields(cls):
         if typing.get_origin(hints[f.name]) is tuple:
             values[f.name] = tuple(values[f.name])
+    _QUICK[0] = bool(values.get("quick") or values.get("dry_run"))
+    outputs = [values.get(name) for name in _OUTPUTS]
+    if values.get("write_docs"):
+        outputs.append(values.get("docs"))
+    for path in outputs:
+        if path is not None:
+            try:
+                docs_output(Path(path))
+            except SystemExit as refused:
+                parser.error(str(refused))
     return cls(**values)
 
 

@@ -41,6 +41,7 @@ from typing import Any
 from benchlib import (
     DOCS,
     dataset_suffix,
+    docs_output,
     invocation,
     md_table,
     parse_args,
@@ -84,8 +85,9 @@ class Args:
     plot: Path | None = field(
         default=None,
         metadata={
-            "help": "regret-against-budget PNG (default docs/ground-truth-regret.png, "
-            "-<dataset> added when not the default dataset)"
+            "help": "regret-against-budget PNG (default with --write-docs: "
+            "docs/ground-truth-regret.png, -<dataset> added when not the default dataset; "
+            "else none)"
         },
     )
     csv: Path | None = field(default=None, metadata={"help": "every policy's metrics (CSV)"})
@@ -314,7 +316,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.precisions, args.budgets, args.seeds = ["fp32", "bf16"], [4, 8], 1
         args.steps = args.steps or 5
         args.ppo_timesteps = args.ppo_timesteps or 128
-    if args.plot is None:
+    if args.plot is None and args.write_docs and not args.quick:  # the docs' own plot
         args.plot = PLOT.with_name(f"{PLOT.stem}{dataset_suffix(args.dataset, '-')}{PLOT.suffix}")
     cache = args.cache_dir or default_cache_dir()
     os.environ["AUTOPREC_CACHE_DIR"] = str(cache)  # the sensitivity tables live there too
@@ -344,7 +346,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"{s['found']:.0%}, hypervolume {s['hv'][1]:.2f}, {s['wall_s']:.1f} s/run",
                 flush=True,
             )
-    plot(args.plot, summary, args)
+    if args.plot is not None:
+        plot(docs_output(args.plot), summary, args)
 
     rows = []
     for agent in args.agents:
@@ -369,7 +372,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             )
     best_policy = " ".join(best_trial.policy.values())
     m = best_trial.metrics
-    plot_ref = os.path.relpath(args.plot.resolve(), args.docs.resolve().parent)
+    figure = []
+    if args.plot is not None:
+        plot_ref = os.path.relpath(args.plot.resolve(), args.docs.resolve().parent)
+        figure = [f"![regret against budget]({plot_ref})", ""]
     body = "\n".join(
         [
             f"## Agents against the true optimum ({args.model} on {args.dataset}, "
@@ -418,8 +424,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "",
             *verdict(summary, args),
             "",
-            f"![regret against budget]({plot_ref})",
-            "",
+            *figure,
         ]
     )
     print(body)

@@ -58,6 +58,7 @@ def test_compare_searches_returns_one_row_per_search(store):
         for key in ("best_reward", "speedup", "memory_ratio", "loss_delta", "accuracy_delta"):
             assert isinstance(row[key], float)
         assert row["wall_time_s"] >= 0 and row["start_time"].endswith("+00:00")
+        assert len(row["start_time"]) == len("2026-01-01T00:00:00.000+00:00")  # to the ms
     assert compare_searches(store["uri"], model="tinycnn") == rows
     assert compare_searches(store["uri"], model="mlp") == []
     assert compare_searches(store["uri"], experiment="autoprec/tinycnn", model="mlp") == []
@@ -75,6 +76,19 @@ def test_sort_rows_best_first_with_direction_and_missing_last():
     assert [r["run_id"] for r in sort_rows(rows, "loss_delta:desc")] == ["a", "c", "b"]
     with pytest.raises(CompareError, match="unknown sort column 'nope'.*best_reward"):
         sort_rows(rows, "nope")
+
+
+def test_sort_rows_breaks_ties_newest_first_then_by_run_id():
+    rows = [
+        {"run_id": "b", "agent": "tpe", "start_time": "2026-01-01T00:00:01.000+00:00"},
+        {"run_id": "c", "agent": "tpe", "start_time": "2026-01-01T00:00:01.250+00:00"},
+        {"run_id": "a", "agent": "tpe", "start_time": "2026-01-01T00:00:01.000+00:00"},
+        {"run_id": "d", "agent": None, "start_time": "2026-01-01T00:00:00.000+00:00"},
+    ]
+    for order in (rows, rows[::-1]):  # whatever order the store returns
+        assert [r["run_id"] for r in sort_rows(order, "agent")] == ["c", "a", "b", "d"]
+        assert [r["run_id"] for r in sort_rows(order, "start_time")] == ["c", "a", "b", "d"]
+        assert [r["run_id"] for r in sort_rows(order, "start_time:asc")] == ["d", "a", "b", "c"]
 
 
 def test_cli_table_csv_and_plot(store, tmp_path, capsys):
