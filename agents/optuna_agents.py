@@ -18,23 +18,69 @@ evaluated again: its trial is told PRUNED with the user attr ``duplicate_of``. D
 policies are COMPLETE trials with the penalised values. Each COMPLETE trial has the user attrs
 ``metrics`` (``Metrics.to_dict()``), ``reward``, ``fidelity`` and ``wall_time_s``.
 
-A process killed between ask and tell leaves a RUNNING trial that keeps its slot of the budget;
-an ``optuna.storages.RDBStorage`` with ``heartbeat_interval`` set lets the next search fail such
-trials (``fail_stale_trials`` is called at the start).
+A trial whose worker dies is failed and retried (enqueued again, as Optuna's
+``RetryFailedTrialCallback`` does, at most :data:`MAX_RETRY` times), so that the budget is spent
+in full and a resumed search goes on as an uninterrupted one:
+
+* interrupted (Ctrl-C, SIGTERM, an exception): the worker tells FAIL and enqueues the retry;
+* killed (SIGKILL, a lost machine): the trial stays RUNNING. Every trial carries the user attr
+  ``autoprec_worker`` (host, pid, process start); a worker fails at once a RUNNING trial of its
+  own host whose process is gone. A storage URL is opened as an ``RDBStorage`` with a heartbeat
+  (:data:`HEARTBEAT_INTERVAL`, :data:`GRACE_PERIOD` seconds), which fails the trials of other
+  machines whose heartbeat stopped (``optuna.storages.fail_stale_trials``); a worker that finds
+  the budget taken only thanks to RUNNING trials of other machines waits until they finish or
+  go stale (at most the grace period and two heartbeats). A live worker's trials are never
+  failed: its process is there, and its heartbeat is recorded while it evaluates.
+
+The sampler the agent makes is made again before each ``ask``, seeded from the search's seed
+and the number of finished (COMPLETE or PRUNED) trials, so that a proposal depends on the
+study's history, not on how many processes the search took.
+
+A storage that cannot be opened (its database driver missing, the server unreachable, a
+malformed URL) raises :class:`StorageError`, which names the URL with its password hidden
+(:func:`shown_storage`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import math
+import os
+import re
+import socket
+import threading
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any, ClassVar
 
 from autoprec.agents.base import Agent, Session, Trial
 from autoprec.agents.simple import baseline_policies
 
 PENALTY_VALUES = {"loss_delta": 10.0, "speedup": 0.0, "memory_ratio": 10.0}
+HEARTBEAT_INTERVAL = 10  # seconds between heartbeats of a running trial (RDB storages)
+GRACE_PERIOD = 60  # seconds without a heartbeat before another worker fails the trial
+MAX_RETRY = 2  # a trial whose worker died is enqueued again at most this often
+POLL_S = 1.0  # how often a waiting worker looks at the study again
+WORKER_ATTR = "autoprec_worker"
+# for PostgreSQL, SQLAlchemy's default driver (2.1 on: psycopg; before: psycopg2)
+_DRIVER_HINT = "for PostgreSQL: pip install 'psycopg[binary]' (autoprec's postgres extra)"
+
+
+class StorageError(ValueError):
+    """The Optuna storage cannot be opened: driver missing, server unreachable, bad URL."""
+
+
+def shown_storage(storage: Any) -> str:
+    """A storage URL fit to print: the password of ``scheme://user:password@host`` hidden.
+
+    Example:
+        >>> shown_storage("postgresql://me:secret@db.example/study")
+        'postgresql://me:***@db.example/study'
+    """
+    return re.sub(r"^([A-Za-z][\w+.-]*://[^:/@]*:)[^@]*@", r"\1***@", str(storage))
 
 
 class _OptunaAgent(Agent):
@@ -66,7 +112,8 @@ class _OptunaAgent(Agent):
         self.max_repeats = max_repeats
 
     # --- what the subclasses define -----------------------------------------------------------
-    def make_sampler(self, session: Session) -> Any:
+    def make_sampler(self, session: Session, seed: int) -> Any:
+        """The agent's own sampler, seeded with ``seed``."""
         raise NotImplementedError
 
     def values(self, trial: Trial) -> list[float]:
@@ -74,21 +121,19 @@ class _OptunaAgent(Agent):
 
     # --- the loop -----------------------------------------------------------------------------
     def run(self, session: Session) -> None:
-        import optuna
         from optuna.distributions import CategoricalDistribution
         from optuna.trial import TrialState
 
         problem = session.problem
         layers = problem.layers()
         distributions = {n: CategoricalDistribution(problem.choices(n)) for n in layers}
+        self._retry = _retry_callback()
         study = self._create_study(session)
+        storage = self._opened
         session.result.info["study_name"] = study.study_name
         if isinstance(self.storage, str):
             session.result.info["storage"] = self.storage
         self._check_study(study, session)
-        with warnings.catch_warnings():  # experimental; acts only for storages with a heartbeat
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            optuna.storages.fail_stale_trials(study)
         self._load(study, session)
         if self.enqueue_baselines and not study.get_trials(deepcopy=False):
             for name, policy in baseline_policies(session):
@@ -99,9 +144,15 @@ class _OptunaAgent(Agent):
         repeats = 0
         try:
             while repeats < self.max_repeats:
-                if _count(study, (TrialState.COMPLETE, TrialState.RUNNING)) >= session.budget:
+                if not self._budget_left(study, session.budget):
                     return
-                trial = study.ask(distributions)
+                if self.sampler is None:  # a proposal depends on the history only
+                    study.sampler = self.make_sampler(session, self._seed(study, session))
+                with warnings.catch_warnings():  # "heartbeat ... used with Study.optimize"
+                    warnings.simplefilter("ignore", UserWarning)
+                    trial = study.ask(distributions)
+                trial.set_user_attr(WORKER_ATTR, _WORKER)
+                evaluating = False
                 try:
                     states = (TrialState.COMPLETE, TrialState.RUNNING, TrialState.WAITING)
                     if _count(study, states, below=trial.number) >= session.budget:
@@ -119,40 +170,145 @@ class _OptunaAgent(Agent):
                     attrs = {"optuna_trial": trial.number}
                     if "baseline" in trial.user_attrs:
                         attrs["name"] = trial.user_attrs["baseline"]
-                    result = session.evaluate(policy, notify=False, **attrs)
+                    evaluating = True
+                    with _heartbeat(storage, trial):
+                        result = session.evaluate(policy, notify=False, **attrs)
+                    evaluating = False
                     for key, value in _user_attrs(result).items():
                         trial.set_user_attr(key, value)
-                    study.tell(trial, self.values(result))
+                    _tell(study, trial, self.values(result))
                 except BaseException:
-                    study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
+                    frozen = study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
+                    if evaluating and frozen.state == TrialState.FAIL:
+                        self._retry(study, frozen)  # a resumed search evaluates it first
                     raise
                 session.notify(result)
         finally:
             self._load(study, session)  # what other workers finished meanwhile
 
     # --- helpers ------------------------------------------------------------------------------
+    def _open_storage(self) -> Any:
+        """``storage`` itself, or for a URL an ``RDBStorage`` with a heartbeat whose stale
+        trials are retried."""
+        if not isinstance(self.storage, str):
+            return self.storage
+        import optuna
+
+        name = "heartbeat_stale_trial_callback"  # optuna >= 4.9; before: failed_trial_callback
+        if name not in inspect.signature(optuna.storages.RDBStorage).parameters:
+            name = "failed_trial_callback"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            return optuna.storages.RDBStorage(
+                self.storage,
+                heartbeat_interval=HEARTBEAT_INTERVAL,
+                grace_period=GRACE_PERIOD,
+                **{name: self._retry},
+            )
+
+    def _budget_left(self, study: Any, budget: int) -> bool:
+        """Whether another trial may be asked, once the trials of dead workers are failed.
+
+        While the budget is taken only thanks to RUNNING trials of other machines, which may
+        be stale without a heartbeat to tell yet, waits for them (see the module docstring).
+        """
+        from optuna.trial import TrialState
+
+        deadline = None
+        while True:
+            self._fail_stale(study)
+            trials = study.get_trials(
+                deepcopy=False, states=(TrialState.COMPLETE, TrialState.RUNNING)
+            )
+            running = [t for t in trials if t.state == TrialState.RUNNING]
+            if len(trials) < budget:
+                return True
+            if len(trials) - len(running) >= budget or _heartbeat_interval(self._opened) is None:
+                return False
+            if all(_worker(t).get("host") == _WORKER["host"] for t in running):
+                return False  # all alive (the dead ones of this host were failed)
+            if deadline is None:
+                interval = _heartbeat_interval(self._opened) or 0
+                grace = getattr(self._opened, "grace_period", None) or 2 * interval
+                deadline = time.monotonic() + grace + 2 * interval
+            if time.monotonic() > deadline:
+                return False  # alive: their heartbeat goes on
+            time.sleep(POLL_S)
+
+    def _fail_stale(self, study: Any) -> None:
+        """Fail (and retry) the RUNNING trials of dead workers: this host's at once, others'
+        when their heartbeat is older than the grace period."""
+        import optuna
+        from optuna.trial import TrialState
+
+        for frozen in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            if not _dead(_worker(frozen)):
+                continue
+            try:  # not study.tell: the trial is another process's
+                failed = study._storage.set_trial_state_values(frozen._trial_id, TrialState.FAIL)
+            except optuna.exceptions.UpdateFinishedTrialError:
+                continue  # another worker was first, or it finished meanwhile
+            if failed:
+                self._retry(study, study._storage.get_trial(frozen._trial_id))
+        with warnings.catch_warnings():  # experimental; acts only for storages with a heartbeat
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            optuna.storages.fail_stale_trials(study)
+
+    def _seed(self, study: Any, session: Session) -> int:
+        """The seed of the next proposal: the search's seed and the finished trials."""
+        from optuna.trial import TrialState
+
+        done = _count(study, (TrialState.COMPLETE, TrialState.PRUNED))
+        digest = hashlib.sha256(f"{session.seed}:{done}".encode()).digest()
+        return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
     def _create_study(self, session: Session, retries: int = 4) -> Any:
         """Create or load the study. Workers starting together on a new RDB file race to create
         its tables (``table ... already exists`` from SQLAlchemy); the loser tries again."""
         import optuna
 
         def create() -> Any:
+            self._opened = self._open_storage()
             return optuna.create_study(
-                storage=self.storage,
-                sampler=self.sampler if self.sampler is not None else self.make_sampler(session),
+                storage=self._opened,
+                sampler=self.sampler
+                if self.sampler is not None
+                else self.make_sampler(session, session.seed),
                 study_name=self.study_name or self.default_study_name(session),
                 directions=list(self.directions),
                 load_if_exists=True,
             )
 
-        for attempt in range(retries if isinstance(self.storage, str) else 0):
+        attempts = retries if isinstance(self.storage, str) else 0
+        for attempt in range(attempts + 1):
             try:
                 return create()
+            except ImportError as exc:
+                raise self._storage_error(exc) from None
             except Exception as exc:
                 if type(exc).__module__.split(".")[0] != "sqlalchemy":
                     raise
+                if attempt == attempts:
+                    raise self._storage_error(exc) from None
                 time.sleep(0.2 * (attempt + 1))
-        return create()
+        raise AssertionError("unreachable")  # the loop returns or raises
+
+    def _storage_error(self, exc: BaseException) -> StorageError:
+        """One line naming the storage (password hidden) and, where known, the fix."""
+        where = shown_storage(self.storage)
+        if isinstance(exc, ImportError):
+            return StorageError(
+                f"cannot open Optuna storage {where}: its database driver is not installed; "
+                + _DRIVER_HINT
+            )
+        cause = getattr(exc, "orig", None) or exc  # the driver's own error, without SQL
+        text = " ".join(str(cause).split()).replace(str(self.storage), where)
+        if len(text) > 200:
+            text = text[:197] + "..."
+        return StorageError(
+            f"cannot open Optuna storage {where}: {text}; check the URL and that the database "
+            "server is running"
+        )
 
     def default_study_name(self, session: Session) -> str:
         problem = session.problem
@@ -222,6 +378,99 @@ class _OptunaAgent(Agent):
         return None
 
 
+def _process_start(pid: int) -> str | None:
+    """When process ``pid`` started (Linux: clock ticks since boot), None where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+_WORKER = {"host": socket.gethostname(), "pid": os.getpid(), "start": _process_start(os.getpid())}
+
+
+def _worker(trial: Any) -> dict[str, Any]:
+    worker = trial.user_attrs.get(WORKER_ATTR)
+    return worker if isinstance(worker, dict) else {}
+
+
+def _dead(worker: Mapping[str, Any]) -> bool:
+    """Whether the worker of a trial is a process of this host that is gone (a reused pid
+    counts as gone when its start time differs; without one it counts as alive)."""
+    pid = worker.get("pid")
+    if worker.get("host") != _WORKER["host"] or not isinstance(pid, int) or pid <= 0:
+        return False
+    if pid == os.getpid():
+        return worker.get("start") != _WORKER["start"]
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # e.g. another user's process: it exists
+        return False
+    start = _process_start(pid)
+    return start is not None and worker.get("start") is not None and start != worker["start"]
+
+
+def _retry_callback() -> Any:
+    import optuna
+
+    cls = getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback", None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        warnings.simplefilter("ignore", FutureWarning)
+        return (cls or optuna.storages.RetryFailedTrialCallback)(max_retry=MAX_RETRY)
+
+
+def _heartbeat_interval(storage: Any) -> int | None:
+    getter = getattr(storage, "get_heartbeat_interval", None)
+    return getter() if callable(getter) else None
+
+
+@contextmanager
+def _heartbeat(storage: Any, trial: Any) -> Iterator[None]:
+    """Record ``trial``'s heartbeat now and every interval until the block ends (what
+    ``study.optimize`` does for its trials; ask-and-tell has to do it itself)."""
+    interval = _heartbeat_interval(storage)
+    if interval is None:
+        yield
+        return
+    trial_id = trial._trial_id  # no public name for it
+    storage.record_heartbeat(trial_id)
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(interval):
+            try:
+                storage.record_heartbeat(trial_id)
+            except Exception:  # noqa: BLE001 - a busy database: the next beat tries again
+                pass
+
+    thread = threading.Thread(target=beat, name="autoprec-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _tell(study: Any, trial: Any, values: list[float]) -> None:
+    """``study.tell``; a trial another worker has failed meanwhile (its heartbeat was late)
+    keeps its result in this search and in the evaluator's cache, where its retry finds it."""
+    import optuna
+
+    try:
+        study.tell(trial, values)
+    except optuna.exceptions.UpdateFinishedTrialError:
+        warnings.warn(
+            f"trial {trial.number} was failed by another worker (its heartbeat came late); its "
+            "retry is served from the evaluator's cache",
+            stacklevel=2,
+        )
+
+
 def _count(study: Any, states: tuple[Any, ...], below: int | None = None) -> int:
     trials = study.get_trials(deepcopy=False, states=states)
     return sum(1 for t in trials if below is None or t.number < below)
@@ -265,13 +514,13 @@ class TPEAgent(_OptunaAgent):
         super().__init__(storage, study_name, sampler, enqueue_baselines, max_repeats)
         self.n_startup_trials = n_startup_trials
 
-    def make_sampler(self, session: Session) -> Any:
+    def make_sampler(self, session: Session, seed: int) -> Any:
         from optuna.samplers import TPESampler
 
         startup = self.n_startup_trials
         if startup is None:
             startup = max(4, min(10, session.budget // 4))
-        return TPESampler(seed=session.seed, n_startup_trials=startup)
+        return TPESampler(seed=seed, n_startup_trials=startup)
 
     def values(self, trial: Trial) -> list[float]:
         return [trial.reward]
@@ -313,15 +562,13 @@ class NSGA2Agent(_OptunaAgent):
         self.kind = sampler if isinstance(sampler, str) else "custom"
         self.population_size = population_size
 
-    def make_sampler(self, session: Session) -> Any:
+    def make_sampler(self, session: Session, seed: int) -> Any:
         from optuna.samplers import NSGAIISampler, TPESampler
 
         if self.kind == "tpe":
-            return TPESampler(
-                seed=session.seed, n_startup_trials=max(4, min(10, session.budget // 4))
-            )
+            return TPESampler(seed=seed, n_startup_trials=max(4, min(10, session.budget // 4)))
         size = self.population_size or max(4, min(50, session.budget // 3))
-        return NSGAIISampler(seed=session.seed, population_size=size)
+        return NSGAIISampler(seed=seed, population_size=size)
 
     def values(self, trial: Trial) -> list[float]:
         m = trial.metrics

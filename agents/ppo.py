@@ -6,11 +6,29 @@ best distinct policies PPO proposed, in ``rounds``: train, sample proposals from
 PPO policy, evaluate the top ones for real (ranked by the surrogate, re-predicted), train more.
 Each real evaluation refits the evaluator's surrogate, so later rounds train on a better
 reward.
+
+Given its seed and the real evaluations' results, the search is deterministic, and that is how
+it resumes: each training and each proposal phase reseeds the generators SB3 draws from (from
+the search's seed and the round), so that nothing the evaluator draws in between (a fresh
+fine-tuning run, where a resumed search finds a cache hit) changes what PPO does. With
+``checkpoint_dir``, the agent's state is saved at the start and after each training phase
+(``ppo_model.zip``: the model and its optimiser; ``ppo_state.json``: the round, the pool of
+proposals and the real trials so far). A new search
+with the same settings loads it, re-reads the real trials it lists (served by the evaluator's
+cache, so that the surrogate is refit exactly as it was; they count against the budget but do
+not call the callbacks again) and goes on from there; evaluations finished after the
+checkpoint are found in the cache again. So an interrupted and resumed search spends its
+budget once and ends where an uninterrupted one would. A checkpoint of other settings, an
+older format or a damaged one is ignored (with a warning) and the search starts over, which
+gives the same result, only later.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -18,7 +36,51 @@ from typing import Any
 from autoprec.agents.base import SURROGATE, Agent, Session, StopSearch
 
 CHECKPOINT_NAME = "ppo_model.zip"
+STATE_NAME = "ppo_state.json"
+STATE_FORMAT = 1
 MAX_TIMESTEPS = 200_000
+MIN_ROLLOUT = 64
+
+# The pool of proposals: {policy key: (best surrogate reward, policy)}, in first-seen order.
+Pool = dict[tuple[str, ...], tuple[float, dict[str, str]]]
+
+
+def rollout_sizes(
+    n_layers: int,
+    n_envs: int = 1,
+    n_steps: int | None = None,
+    batch_size: int | None = None,
+    normalize_advantage: bool = True,
+) -> tuple[int, int]:
+    """``(n_steps, batch_size)`` for MaskablePPO on a model of ``n_layers`` tunable layers.
+
+    The default rollout holds whole episodes: ``n_steps`` is the smallest multiple of the
+    layer count of at least 64 steps that makes the rollout (``n_steps x n_envs``) even, and
+    the minibatch is half the rollout. A given ``n_steps`` gets the largest divisor of the
+    rollout up to half of it (the whole rollout when it is prime). Every minibatch is then
+    full: a last minibatch of one sample has no standard deviation, and SB3's advantage
+    normalisation turns it into NaN (the policy's probabilities with it).
+
+    Raises:
+        ValueError: ``n_steps`` below 1, or (with ``normalize_advantage``) a rollout of one
+            step or a ``batch_size`` that leaves a minibatch of one sample.
+    """
+    if n_steps is None:
+        n_steps = n_layers * math.ceil(MIN_ROLLOUT / n_layers)
+        if n_steps * n_envs % 2:
+            n_steps += n_layers  # n_layers is odd here: the rollout becomes even
+    elif not isinstance(n_steps, int) or n_steps < 1:
+        raise ValueError(f"n_steps must be an integer >= 1 or None, got {n_steps!r}")
+    rollout = n_steps * n_envs
+    if batch_size is None:
+        batch_size = next((d for d in range(rollout // 2, 1, -1) if rollout % d == 0), rollout)
+    if normalize_advantage and (batch_size < 2 or rollout % batch_size == 1):
+        raise ValueError(
+            f"batch_size {batch_size} leaves a minibatch of one sample in a rollout of "
+            f"n_steps x n_envs = {rollout} steps, whose normalised advantage is NaN; choose a "
+            "batch_size that divides the rollout (or leave it to the agent)"
+        )
+    return n_steps, batch_size
 
 
 class _SurrogateView:
@@ -45,9 +107,10 @@ def _callback_class() -> type:
     class Collector(BaseCallback):
         """Records every finished episode as a surrogate trial; stops on StopSearch."""
 
-        def __init__(self, session: Session) -> None:
+        def __init__(self, session: Session, pool: Pool) -> None:
             super().__init__()
             self.session = session
+            self.pool = pool
             self.stop: StopSearch | None = None
 
         def _on_step(self) -> bool:
@@ -56,15 +119,22 @@ def _callback_class() -> type:
                     continue
                 metrics = Metrics.from_dict(info["metrics"])
                 try:
-                    self.session.record_surrogate(
+                    trial = self.session.record_surrogate(
                         info["policy"], metrics, metrics.wall_time_s, phase="train"
                     )
                 except StopSearch as exc:
                     self.stop = exc
                     return False
+                _add(self.pool, self.session, trial)
             return True
 
     return Collector
+
+
+def _add(pool: Pool, session: Session, trial: Any) -> None:
+    key = session.key(trial.policy)
+    if key not in pool or trial.reward > pool[key][0]:
+        pool[key] = (trial.reward, trial.policy)
 
 
 class PPOAgent(Agent):
@@ -77,15 +147,21 @@ class PPOAgent(Agent):
         n_envs: environments; above 1, ``make_vec(n_envs, **problem.env_kwargs,
             fidelity="surrogate")`` runs them in worker processes (their surrogates are not
             refit by this process's real evaluations).
-        n_steps: PPO rollout length per env; None: the smallest multiple of the layer count
-            that is at least 64.
+        n_steps: PPO rollout length per env; None: whole episodes, at least 64 steps (see
+            :func:`rollout_sizes`).
         proposals: stochastic episodes sampled from the PPO policy after each round (plus one
             deterministic); None: ``max(16, 2 x budget)``.
-        checkpoint_dir: where the model is saved (``ppo_model.zip``) after each training phase
-            and on a stop; a model found there is loaded and its training continued.
+        checkpoint_dir: where the agent's state is saved (``ppo_model.zip`` and
+            ``ppo_state.json``) at the start and after each training phase; a search with the
+            same settings that finds it goes on from there (see the module's docstring).
         ppo_kwargs: overrides of the ``MaskablePPO`` arguments (defaults: ``gamma=1.0``,
-            ``ent_coef=0.01``, ``batch_size`` half a rollout, ``device="cpu"``).
+            ``ent_coef=0.01``, ``batch_size`` a divisor of the rollout, half of it by default,
+            ``device="cpu"``).
         verbose: SB3's verbosity.
+
+    Raises:
+        ValueError: a bad ``rounds``, ``n_envs``, ``timesteps`` or ``n_steps``, or (when the
+            search starts) a ``batch_size`` that leaves a minibatch of one sample.
     """
 
     name = "ppo"
@@ -106,6 +182,8 @@ class PPOAgent(Agent):
                 raise ValueError(f"{what} must be an integer >= {low}, got {value!r}")
         if timesteps is not None and (not isinstance(timesteps, int) or timesteps < 1):
             raise ValueError(f"timesteps must be an integer >= 1 or None, got {timesteps!r}")
+        if n_steps is not None and (not isinstance(n_steps, int) or n_steps < 1):
+            raise ValueError(f"n_steps must be an integer >= 1 or None, got {n_steps!r}")
         self.timesteps = timesteps
         self.rounds = rounds
         self.n_envs = n_envs
@@ -125,9 +203,10 @@ class PPOAgent(Agent):
 
         problem = session.problem
         n_layers = len(problem.layers())
-        n_steps = self.n_steps or n_layers * math.ceil(64 / n_layers)
+        kwargs = self._ppo_arguments(session, n_layers)
         total = self.timesteps or min(n_layers * max(128, 32 * session.budget), MAX_TIMESTEPS)
         proposals = self.proposals if self.proposals is not None else max(16, 2 * session.budget)
+        settings = self._settings(session, kwargs, total, proposals)
         view = _SurrogateView(session)
         env_args = {
             "precisions": problem.precisions,
@@ -136,29 +215,81 @@ class PPOAgent(Agent):
         }
         sampler_env = PrecisionEnv(evaluator=view, **env_args)
         venv = self._make_venv(session, view, env_args)
-        collector = _callback_class()(session)
+        pool: Pool = {}
+        collector = _callback_class()(session, pool)
+        problem.evaluator.reference(SURROGATE)  # the surrogate's scale, before any seeding
         try:
-            model = self._model(venv, session, n_steps)
-            for r in range(self.rounds):
+            model, start = self._restore(venv, session, settings, pool)
+            if model is None:
+                from sb3_contrib import MaskablePPO
+
+                model = MaskablePPO("MlpPolicy", venv, **kwargs)
+                self._save(model, session, settings, pool, 0)
+            for r in range(start, self.rounds):
                 target = total * (r + 1) // self.rounds
                 if model.num_timesteps < target:
+                    model.set_random_seed(_phase_seed(session.seed, r, "learn"))
                     model.learn(
                         target - model.num_timesteps, callback=collector, reset_num_timesteps=False
                     )
-                    self._save(model, session)
                     if collector.stop is not None:
                         raise collector.stop
-                self._propose(model, sampler_env, session, proposals, r)
+                self._save(model, session, settings, pool, r)
+                model.set_random_seed(_phase_seed(session.seed, r, "propose"))
+                self._propose(model, sampler_env, session, proposals, r, pool)
                 share = math.ceil(session.remaining / (self.rounds - r))
-                self._spend(session, share, r)
-        except StopSearch:
-            self._save(model, session)
-            raise
+                self._spend(session, pool, share, r)
         finally:
             venv.close()
         session.result.info["timesteps"] = int(model.num_timesteps)
 
     # --- pieces -------------------------------------------------------------------------------
+    def _ppo_arguments(self, session: Session, n_layers: int) -> dict[str, Any]:
+        """MaskablePPO's keyword arguments: the defaults, the overrides, safe rollout sizes."""
+        kwargs: dict[str, Any] = {
+            "gamma": 1.0,
+            "ent_coef": 0.01,
+            "seed": session.seed,
+            "device": "cpu",
+            "verbose": self.verbose,
+            **self.ppo_kwargs,
+        }
+        kwargs["n_steps"], kwargs["batch_size"] = rollout_sizes(
+            n_layers,
+            self.n_envs,
+            kwargs.get("n_steps", self.n_steps),
+            kwargs.get("batch_size"),
+            bool(kwargs.get("normalize_advantage", True)),
+        )
+        return kwargs
+
+    def _settings(
+        self, session: Session, kwargs: dict[str, Any], total: int, proposals: int
+    ) -> dict[str, Any]:
+        """What a checkpoint must have been made with to be continued (JSON-ready)."""
+        problem = session.problem
+        return json.loads(
+            json.dumps(
+                {
+                    "model": problem.evaluator.spec.name,
+                    "target": problem.evaluator.device.name,
+                    "fidelity": problem.fidelity,
+                    "layers": problem.layers(),
+                    "precisions": list(problem.precisions),
+                    "reward_weights": problem.reward_weights,
+                    "accuracy_tolerance": problem.accuracy_tolerance,
+                    "budget": session.budget,
+                    "seed": session.seed,
+                    "timesteps": total,
+                    "rounds": self.rounds,
+                    "n_envs": self.n_envs,
+                    "proposals": proposals,
+                    "ppo": {k: v for k, v in kwargs.items() if k != "verbose"},
+                },
+                default=repr,
+            )
+        )
+
     def _make_venv(self, session: Session, view: _SurrogateView, env_args: dict) -> Any:
         if self.n_envs == 1:
             from stable_baselines3.common.monitor import Monitor
@@ -180,36 +311,67 @@ class PPOAgent(Agent):
         evaluator_seed = kwargs.pop("seed", None)
         return make_vec(self.n_envs, seed=session.seed, env_seed=evaluator_seed, **kwargs)
 
-    def _model(self, venv: Any, session: Session, n_steps: int) -> Any:
-        from sb3_contrib import MaskablePPO
+    def _save(
+        self, model: Any, session: Session, settings: dict[str, Any], pool: Pool, round_: int
+    ) -> None:
+        """Checkpoint the state at the start of round ``round_``'s proposals (or, before any
+        training, of the search): the model, then the state that names the model's digest."""
+        from autoprec.cache import write_atomic
 
-        path = self.checkpoint_path
-        if path is not None and path.exists():
-            model = MaskablePPO.load(path, env=venv, device="cpu")
-            session.result.info["resumed_from"] = str(path)
-            return model
-        kwargs: dict[str, Any] = {
-            "n_steps": n_steps,
-            "batch_size": max(2, n_steps * self.n_envs // 2),
-            "gamma": 1.0,
-            "ent_coef": 0.01,
-            "seed": session.seed,
-            "device": "cpu",
-            "verbose": self.verbose,
-        }
-        kwargs.update(self.ppo_kwargs)
-        return MaskablePPO("MlpPolicy", venv, **kwargs)
-
-    def _save(self, model: Any, session: Session) -> None:
         path = self.checkpoint_path
         if path is None:
             return
-        path.parent.mkdir(parents=True, exist_ok=True)
-        model.save(path)
+        write_atomic(path, model.save, binary=True)
+        state = {
+            "format": STATE_FORMAT,
+            "model_sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+            "settings": settings,
+            "round": round_,
+            "num_timesteps": int(model.num_timesteps),
+            "pool": [[reward, policy] for reward, policy in pool.values()],
+            "real": [[t.policy, t.attrs] for t in session.result.real_trials],
+        }
+        text = json.dumps(state, default=repr)
+        write_atomic(path.with_name(STATE_NAME), lambda fh: fh.write(text))
         session.result.info["checkpoint"] = str(path)
 
+    def _restore(
+        self, venv: Any, session: Session, settings: dict[str, Any], pool: Pool
+    ) -> tuple[Any, int]:
+        """``(model, round)`` from the checkpoint, with the pool and the real trials (re-read
+        through the evaluator's cache) as they were; ``(None, 0)`` without a usable
+        checkpoint."""
+        path = self.checkpoint_path
+        if path is None or not path.exists():
+            return None, 0
+        state_path = path.with_name(STATE_NAME)
+        try:
+            state = json.loads(state_path.read_text())
+            reason = _mismatch(state, settings, path)
+            if reason is None:
+                from sb3_contrib import MaskablePPO
+
+                model = MaskablePPO.load(path, env=venv, device="cpu")
+        except Exception as exc:  # noqa: BLE001 - any damage: start over (same result, later)
+            reason = f"it cannot be read ({type(exc).__name__}: {str(exc)[:200]})"
+        if reason is not None:
+            warnings.warn(
+                f"ignoring the PPO checkpoint {path}: {reason}; training again from the start",
+                stacklevel=2,
+            )
+            session.result.info["checkpoint_ignored"] = reason
+            return None, 0
+        problem = session.problem
+        for policy, attrs in state["real"]:
+            metrics = problem.evaluate(policy)  # a cache hit; refits the surrogate in order
+            session.load(policy, metrics, 0.0, **{**attrs, "loaded": True})
+        for reward, policy in state["pool"]:
+            pool[session.key(policy)] = (float(reward), dict(policy))
+        session.result.info["resumed_from"] = str(path)
+        return model, int(state["round"])
+
     @staticmethod
-    def _propose(model: Any, env: Any, session: Session, n: int, round_: int) -> None:
+    def _propose(model: Any, env: Any, session: Session, n: int, round_: int, pool: Pool) -> None:
         """Sample ``n`` stochastic episodes and one deterministic one from the PPO policy."""
         from autoprec.evaluate.metrics import Metrics
 
@@ -222,7 +384,7 @@ class PPOAgent(Agent):
                 )
                 obs, _, terminated, _, info = env.step(int(action))
             metrics = Metrics.from_dict(info["metrics"])
-            session.record_surrogate(
+            trial = session.record_surrogate(
                 info["policy"],
                 metrics,
                 metrics.wall_time_s,
@@ -230,25 +392,38 @@ class PPOAgent(Agent):
                 round=round_,
                 deterministic=i == n,
             )
+            _add(pool, session, trial)
 
     @staticmethod
-    def _spend(session: Session, k: int, round_: int) -> None:
+    def _spend(session: Session, pool: Pool, k: int, round_: int) -> None:
         """Evaluate for real the ``k`` best distinct proposals not evaluated yet."""
         if k <= 0:
             return
         problem = session.problem
-        best: dict[tuple[str, ...], tuple[float, dict[str, str]]] = {}
-        for trial in session.result.trials:
-            if trial.real or session.seen(trial.policy) is not None:
-                continue
-            key = session.key(trial.policy)
-            if key not in best or trial.reward > best[key][0]:
-                best[key] = (trial.reward, trial.policy)
+        best = [item for item in pool.values() if session.seen(item[1]) is None]
         # The surrogate may have been refit since: re-rank a shortlist with its predictions.
-        shortlist = sorted(best.values(), key=lambda item: -item[0])[: max(8 * k, 64)]
+        shortlist = sorted(best, key=lambda item: -item[0])[: max(8 * k, 64)]
         predicted = [problem.reward(problem.evaluate(p, SURROGATE)) for _, p in shortlist]
         order = sorted(range(len(shortlist)), key=lambda i: (-predicted[i], i))
         for i in order[:k]:
             if session.exhausted:
                 return
             session.evaluate(shortlist[i][1], surrogate_reward=predicted[i], round=round_)
+
+
+def _phase_seed(seed: int, round_: int, phase: str) -> int:
+    """The seed of one phase of one round, a function of the search's seed only."""
+    digest = hashlib.sha256(f"{seed}:{round_}:{phase}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+def _mismatch(state: Mapping[str, Any], settings: dict[str, Any], path: Path) -> str | None:
+    """Why the checkpoint cannot be continued (None if it can)."""
+    if state.get("format") != STATE_FORMAT:
+        return f"it has format {state.get('format')!r}, not {STATE_FORMAT}"
+    if state.get("model_sha256") != hashlib.sha256(path.read_bytes()).hexdigest():
+        return f"{path.name} is not the model its {STATE_NAME} was written with"
+    differ = sorted(k for k in settings if state["settings"].get(k) != settings[k])
+    if differ:
+        return f"it was made with other settings ({', '.join(differ)})"
+    return None
