@@ -3,7 +3,10 @@
 Runs the README's main command exactly (no other flag) in a fresh working folder with a fresh
 cache (so the warm start, the fp32 reference and the sensitivities are all computed), reads the
 phase times the command prints on its last line, and writes them with the total wall time and
-the result line to docs/benchmarks.md. Issue target: at most 15 minutes on a 2-core CPU.
+the result line to docs/benchmarks.md, with what the exported policy holds: its precision per
+layer kind (no fp8 convolution may appear: no backend runs one), whether every layer runs
+natively on the target (autoprec.hardware.runnability), and its predicted speedup over fp32 and
+over the target's AMP. Issue target: at most 15 minutes on a 2-core CPU.
 
     python experiments/bench_search.py --write-docs
 """
@@ -20,6 +23,40 @@ import time
 from pathlib import Path
 
 from benchlib import provenance, write_section
+
+
+def describe_policy(path: Path, model: str) -> list[str]:
+    """Markdown lines: the exported policy's precisions by layer kind, its runnability on its
+    target, and its predicted speedups."""
+    from collections import Counter
+
+    from autoprec.graph import analyze_named
+    from autoprec.hardware import get_device
+    from autoprec.hardware.runnability import verdict_for_row
+    from autoprec.policy_io import load_policy
+
+    policy = load_policy(path)
+    device = get_device(policy.target.device)
+    table = analyze_named(model, 1, num_classes=10)  # the search's default --num-classes
+    counts: Counter = Counter()
+    unrunnable = []
+    for row in table.rows:
+        p = policy.precision_for(row.name)
+        counts[(row.kind, p.value)] += 1
+        if not verdict_for_row(row, p, device, policy.target.mode).runnable:
+            unrunnable.append(row.name)
+    cells = ", ".join(f"{kind} {p}: {n}" for (kind, p), n in sorted(counts.items()))
+    m = policy.metrics
+    named = f" ({', '.join(unrunnable[:4])})" if unrunnable else ""
+    return [
+        f"The exported `best_policy.yaml` (target {device.name}, mode {policy.target.mode}): "
+        f"{cells}; fp8 convolutions: {counts.get(('conv', 'fp8'), 0)}; layers that cannot run "
+        f"natively: {len(unrunnable)}{named}."
+        f" Predicted speedup {m.get('speedup', float('nan')):.2f}x over fp32 and "
+        f"{m.get('speedup_vs_amp', float('nan')):.3f}x over AMP "
+        f"(memory {m.get('memory_ratio', float('nan')):.2f}x of fp32).",
+        "",
+    ]
 
 
 def main() -> None:
@@ -48,8 +85,9 @@ def main() -> None:
     result = [
         line.strip()
         for line in log.splitlines()
-        if line.startswith(("best policy", "better", "no policy"))
+        if line.startswith(("best policy", "better", "no policy", "same as AMP"))
     ]
+    policy_lines = describe_policy(work / "best_policy.yaml", args.model)
     body = "\n".join(
         [
             f"## `autoprec search --model {args.model}` (the default search)",
@@ -69,6 +107,7 @@ def main() -> None:
             *result,
             "```",
             "",
+            *policy_lines,
         ]
     )
     print(body)

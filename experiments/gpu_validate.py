@@ -2,31 +2,42 @@
 
 One script, under 8 minutes on one GPU (`--max-minutes` stops starting new work after 7):
 
-1. Native against emulate. A small model (resnet18 at 32x32 on the default dataset) at bf16,
-   fp16 and fp8, every tunable layer, in the runtime's `native` mode (per-layer autocast; fp8
-   has no native path in the runtime yet and is emulated there too, which the table says) and
-   in `emulate` mode, from the same weights on the same batches: relative difference of the
-   logits and of the loss at the initial weights, and of the loss after `--small-steps`
-   training steps (fp16 with dynamic loss scaling in both modes).
-2. Measured against predicted. resnet50 training steps at batch 256 on 224x224 synthetic
-   inputs (SGD with momentum), under fp32 (TF32 off), tf32, AMP-bf16, the device's default
-   rule (`autoprec.hardware.default_policy`) and a searched policy, each in native mode:
-   median step time over `--steps` steps after `--warmup` steps (CUDA events), images/s and
-   peak allocated memory (`torch.cuda.max_memory_allocated` after
-   `reset_peak_memory_stats`); out of memory is caught and reported. Next to each: the cost
-   model's prediction (`autoprec.hardware.CostModel`) for the detected device (or `--device`).
-   The searched policy is `--policy FILE` if given; otherwise the greedy agent's best on the
-   surrogate (`autoprec.agents.search(agent="greedy")` with every evaluation answered by the
-   evaluator's surrogate fidelity: sensitivities measured on a short fp32 warm start of the
-   model at 32x32, costs from the cost model), over the precisions the runtime runs natively
-   (fp8 only with `--search-fp8`).
+1. Native against emulate. Two small models, resnet18 at 32x32 on the default dataset and the
+   built-in tinytransformer on `tokens`, under bf16 and fp16 on every tunable layer, fp8 on
+   every layer that runs fp8 natively (torchao `Float8Linear`; the others fp32), and that fp8
+   with bf16 elsewhere, in the runtime's `native` mode and in `emulate` mode, from the same
+   weights on the same batches: relative difference of the logits and of the loss at the
+   initial weights, and of the loss after `--small-steps` plain-SGD steps (fp16 with dynamic
+   loss scaling in both modes).
+2. Measured against predicted. Training steps (SGD with momentum, native mode) of resnet50 at
+   batch 256 on 224x224 synthetic images, and of a transformer (the built-in tinytransformer
+   scaled up: width 2048, 8 encoder blocks, 16 heads, sequence 1024, batch 16, where the fp8
+   GEMMs of its feed-forward Linears matter), each under fp32 (TF32 off), tf32, AMP-bf16, the
+   searched policy and `--random-policies` random runnable policies (each draws a mix of the
+   device's precisions, uniform on the simplex, then each layer's precision by that mix from
+   those the runnability table lets it run natively on the device,
+   `autoprec.hardware.runnability.runnable_precisions`: fp8 only on Linears torchao takes):
+   median step time over `--steps` steps after `--warmup` (CUDA events), samples/s and peak
+   allocated memory (`torch.cuda.max_memory_allocated` after `reset_peak_memory_stats`); out
+   of memory or any other failure is caught and reported in that row only. Next to each, the
+   cost model's prediction `CostModel(device).step(table, policy)` for the detected device (or
+   `--device`), the measured / predicted ratio, and per model the rank correlation (Spearman)
+   of predicted and measured step times.
+   The searched policy is `--policy FILE` (resnet50; `--transformer-policy FILE`) if given,
+   e.g. the `best_policy.yaml` of `autoprec search --model resnet50 --target <device>`;
+   otherwise the greedy agent's best on the surrogate (`autoprec.agents.search(agent=
+   "greedy")`, every evaluation answered by the evaluator's surrogate fidelity: sensitivities
+   measured on a short fp32 warm start of the same layers at a small input size, costs from
+   the cost model at the measured size), over every precision the device runs, each layer
+   restricted to those it runs natively (the search's own per-layer masks).
 
 Emulation uses the eager rounding kernels (`AUTOPREC_COMPILE=0`, the same bits as the compiled
 ones) so that compiling cannot eat the time limit; `--compile-kernels` lets it compile.
 
-`--dry-run` runs everything that runs without CUDA, on the CPU: tinycnn for both parts, a batch
-of 4, a couple of steps, timed with `time.perf_counter` (no memory figure), predictions for
-`--device` (default h100-sxm). Its numbers only show that the script works.
+`--dry-run` runs everything on the CPU, where native mode runs bf16/fp16 (autocast), fp8
+(torchao) and tf32 (a no-op switch) for real: tinycnn and the default-size tinytransformer for
+both parts, a batch of 4, a couple of steps, timed with `time.perf_counter` (no memory figure),
+predictions for `--device` (default h100-sxm). Its numbers only show that the script works.
 
     python experiments/gpu_validate.py --write-docs          # on the GPU machine
     python experiments/gpu_validate.py --dry-run             # anywhere (the test runs this)
@@ -42,9 +53,11 @@ from __future__ import annotations
 
 import copy
 import gc
+import importlib.metadata
 import json
 import math
 import os
+import random
 import statistics
 import tempfile
 import time
@@ -68,11 +81,11 @@ from benchlib import (
 )
 
 from autoprec.defaults import DEFAULT_DATASET
-from autoprec.policy import LossScalingConfig, PrecisionPolicy
+from autoprec.policy import PrecisionPolicy
 from autoprec.runtime import LossScaler, apply_policy
 
-NATIVE_PRECISIONS = ("fp32", "tf32", "bf16", "fp16")  # what the runtime runs natively
 SECTIONS = ("gpu_validate", "gpu_validate_dry_run")  # in docs/benchmarks.md
+TINY = ("tinycnn", "mlp")  # image models that keep their own input size
 
 
 @dataclass
@@ -83,20 +96,29 @@ class Args:
     model: str = "resnet50"
     batch_size: int = 256
     image_size: int = 224
+    width: int = field(default=2048, metadata={"help": "the transformer's d_model"})
+    blocks: int = field(default=8, metadata={"help": "the transformer's encoder blocks"})
+    heads: int = 16
+    seq_len: int = 1024
+    transformer_batch: int = 16
+    random_policies: int = field(default=4, metadata={"help": "random runnable policies"})
+    seed: int = 0
     warmup: int = 5
     steps: int = 20
-    policy: Path | None = field(default=None, metadata={"help": "searched policy file"})
+    policy: Path | None = field(default=None, metadata={"help": "searched policy of --model"})
+    transformer_policy: Path | None = field(
+        default=None, metadata={"help": "searched policy of the transformer"}
+    )
     device: str | None = field(
         default=None, metadata={"help": "database entry for predictions (default: detected)"}
     )
     search_budget: int = field(default=400, metadata={"help": "greedy's surrogate evaluations"})
-    search_fp8: bool = field(default=False, metadata={"help": "let the search choose fp8"})
     max_minutes: float = field(default=7.0, metadata={"help": "start no new work after this"})
     compile_kernels: bool = field(
         default=False,
         metadata={"help": "let emulation use the torch.compile'd kernels (compiling takes long)"},
     )
-    dry_run: bool = field(default=False, metadata={"help": "CPU, tinycnn, tiny batch"})
+    dry_run: bool = field(default=False, metadata={"help": "CPU, tiny models, tiny batch"})
     json: Path | None = field(default=None, metadata={"help": "also write the raw results"})
     section_from: Path | None = field(
         default=None,
@@ -117,81 +139,174 @@ class Clock:
         return self.limit - (time.perf_counter() - self.start)
 
 
-def sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
+def _error(err: BaseException) -> str:
+    """One line for a table cell."""
+    return f"{type(err).__name__}: {err}".splitlines()[0][:160].replace("|", "/")
 
 
-def policy_for(precision: str) -> PrecisionPolicy:
-    scaling = LossScalingConfig() if precision == "fp16" else None
-    return PrecisionPolicy.uniform(precision, loss_scaling=scaling)
+def _notes(caught: list) -> str:
+    """The distinct warnings of a run, each shortened, for a table cell."""
+    notes = {str(w.message).split(";")[0].splitlines()[0][:120] for w in caught}
+    return "; ".join(sorted(notes)).replace("|", "/")
+
+
+def scaled(policy: PrecisionPolicy) -> PrecisionPolicy:
+    """``policy`` with dynamic loss scaling when it has an fp16 layer (the search's rule)."""
+    from autoprec.agents.base import loss_scaling_for
+
+    values = {"default": policy.default, **policy.layers}
+    return policy.replace(loss_scaling=policy.loss_scaling or loss_scaling_for(values))
+
+
+# ---------------------------------------------------------------------------------- models
+@dataclass(frozen=True)
+class Bench:
+    """One model of part 2: how to build it as measured, and as the search trains it."""
+
+    name: str
+    build: Callable[[], Any]  # the measured model (also the cost model's)
+    build_small: Callable[[], Any]  # the same layers at a small input, for the search
+    dataset: str
+    batch: int
+    policy_file: Path | None
+    shape: str  # the input, for the docs
+
+
+def transformer(width: int, blocks: int, heads: int, seq_len: int) -> Any:
+    """The built-in tinytransformer at another size, as a ModelSpec (seeded like load_model)."""
+    from autoprec.models import ModelSpec
+    from autoprec.models.builtin import DEFAULT_VOCAB, TinyTransformer
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        module = TinyTransformer(DEFAULT_VOCAB, seq_len, 10, width, heads, blocks)
+    return ModelSpec(
+        f"tinytransformer-{width}x{blocks}",
+        module,
+        input_shape=(seq_len,),
+        task="sequence-classification",
+        num_classes=10,
+        input_dtype=torch.long,
+        vocab_size=DEFAULT_VOCAB,
+        family="builtin",
+    )
+
+
+def benches(args: Args) -> list[Bench]:
+    from autoprec.models import load_model
+    from autoprec.models.builtin import DEFAULT_SEQ_LEN
+
+    tiny = args.model in TINY
+    size = None if tiny else args.image_size
+    image = Bench(
+        args.model,
+        lambda: load_model(args.model, num_classes=10 if tiny else 1000, image_size=size),
+        lambda: load_model(args.model, num_classes=10, image_size=None if tiny else 32),
+        DEFAULT_DATASET,
+        args.batch_size,
+        args.policy,
+        "its own size" if tiny else f"{size}x{size} synthetic images",
+    )
+    text = Bench(
+        f"tinytransformer-{args.width}x{args.blocks}",
+        lambda: transformer(args.width, args.blocks, args.heads, args.seq_len),
+        lambda: transformer(args.width, args.blocks, args.heads, DEFAULT_SEQ_LEN),
+        "tokens",
+        args.transformer_batch,
+        args.transformer_policy,
+        f"sequences of {args.seq_len} random tokens, {args.heads} heads",
+    )
+    return [image, text]
 
 
 # ------------------------------------------------------------------- 1. native against emulate
-def run_small(spec: Any, precision: str, mode: str | None, batches: list, dev: torch.device):
+def run_small(spec: Any, policy: Any, mode: str | None, batches: list, dev: torch.device):
     """(logits and loss at the initial weights, loss after training on ``batches``, warnings)
-    under ``precision`` in ``mode`` (None: plain fp32)."""
+    under ``policy`` in ``mode`` (None: plain fp32)."""
     model = copy.deepcopy(spec.module).to(dev)
     model.train()
-    policy = policy_for(precision)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         handle = None if mode is None else apply_policy(model, policy, mode=mode)
-    x0, y0 = (t.to(dev) for t in batches[0])
-    with torch.no_grad():
-        out0 = model(x0)
-        loss0 = float(spec.loss(out0, y0))
-    scaler = LossScaler.from_policy(policy if mode else None, device=dev)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)  # plain SGD: trajectories stay close
-    for x, y in batches:
-        x, y = x.to(dev), y.to(dev)
-        opt.zero_grad(set_to_none=True)
-        scaler.scale(spec.loss(model(x), y)).backward()
-        scaler.step(opt)
-        scaler.update()
-    with torch.no_grad():
-        final = float(spec.loss(model(x0), y0))
-    if handle is not None:
-        handle.remove()
-    notes = sorted({str(w.message).split(";")[0] for w in caught})
-    return spec.logits(out0).detach().float().cpu(), loss0, final, notes
+        x0, y0 = (t.to(dev) for t in batches[0])
+        with torch.no_grad():
+            out0 = model(x0)
+            loss0 = float(spec.loss(out0, y0))
+        scaler = LossScaler.from_policy(policy if mode else None, device=dev)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)  # plain SGD: trajectories stay close
+        for x, y in batches:
+            x, y = x.to(dev), y.to(dev)
+            opt.zero_grad(set_to_none=True)
+            scaler.scale(spec.loss(model(x), y)).backward()
+            scaler.step(opt)
+            scaler.update()
+        with torch.no_grad():
+            final = float(spec.loss(model(x0), y0))
+        if handle is not None:
+            handle.remove()
+    return spec.logits(out0).detach().float().cpu(), loss0, final, _notes(caught)
 
 
-def native_vs_emulate(args: Args, dev: torch.device) -> list[dict[str, Any]]:
+def small_policies(spec: Any, device: Any) -> list[tuple[str, Any]]:
+    """(name, policy or why not) of part 1: bf16, fp16, and fp8 where it runs natively."""
+    from autoprec.graph import analyze
+    from autoprec.hardware.runnability import verdict_for_row
+
+    out: list[tuple[str, Any]] = [(p, scaled(PrecisionPolicy.uniform(p))) for p in ("bf16", "fp16")]
+    rows = analyze(spec, 2).rows
+    fp8 = {r.name: "fp8" for r in rows if verdict_for_row(r, "fp8", device).runnable}
+    if not fp8:
+        why = verdict_for_row(rows[-1], "fp8", device).reason
+        return [*out, ("fp8", f"no layer runs fp8 natively on {device.name} (last: {why})")]
+    out.append(("fp8", PrecisionPolicy(default="fp32", layers=fp8)))
+    out.append(("fp8 + bf16", PrecisionPolicy(default="bf16", layers=fp8)))
+    return out
+
+
+def native_vs_emulate(args: Args, dev: torch.device, device: Any) -> list[dict[str, Any]]:
     from autoprec.data import load_dataset_for
     from autoprec.models import load_model
 
-    size = None if args.small_model in ("tinycnn", "mlp") else 32
-    spec = load_model(args.small_model, num_classes=10, image_size=size)
-    data = load_dataset_for(spec, DEFAULT_DATASET, seed=0)
-    batches = data.fixed_batches(args.small_steps, args.small_batch, seed=0)
-    fp32 = run_small(spec, "fp32", None, batches, dev)
+    size = None if args.small_model in TINY else 32
+    models = [
+        (load_model(args.small_model, num_classes=10, image_size=size), DEFAULT_DATASET),
+        (load_model("tinytransformer", num_classes=10), "tokens"),
+    ]
     rows = []
-    for precision in ("bf16", "fp16", "fp8"):
-        row: dict[str, Any] = {"precision": precision}
-        why = None if precision == "fp8" else autocast_support(str(dev), precision)
-        if why is not None:
-            rows.append({**row, "error": f"no autocast: {why}"})
-            continue
-        try:
-            emu = run_small(spec, precision, "emulate", batches, dev)
-            nat = run_small(spec, precision, "native", batches, dev)
-        except Exception as err:  # noqa: BLE001 - the other precisions are still worth it
-            rows.append({**row, "error": f"{type(err).__name__}: {err}".splitlines()[0][:150]})
-            continue
-        row.update(
-            logits_emul_native=rel_diff(emu[0], nat[0]),
-            logits_native_fp32=rel_diff(nat[0], fp32[0]),
-            loss0_emul_native=abs(emu[1] - nat[1]) / abs(nat[1]),
-            final_emul_native=abs(emu[2] - nat[2]) / abs(nat[2]),
-            final_native_fp32=abs(nat[2] - fp32[2]) / abs(fp32[2]),
-            loss_emul=emu[2],
-            loss_native=nat[2],
-            loss_fp32=fp32[2],
-            note="; ".join(nat[3]),
-        )
-        rows.append(row)
-        print(row, flush=True)
+    for spec, dataset in models:
+        data = load_dataset_for(spec, dataset, seed=0)
+        batches = data.fixed_batches(args.small_steps, args.small_batch, seed=0)
+        fp32 = run_small(spec, None, None, batches, dev)
+        for name, policy in small_policies(spec, device):
+            row: dict[str, Any] = {"model": spec.name, "precision": name}
+            why = policy if isinstance(policy, str) else None
+            low = {p.value for p in policy.resolve(spec.module).values()} if why is None else set()
+            for p in sorted(low & {"bf16", "fp16"}):
+                missing = autocast_support(str(dev), p)
+                why = why or (f"no {p} autocast: {missing}" if missing else None)
+            if why is not None:
+                rows.append({**row, "error": why})
+                continue
+            row["layers"] = _layer_mix(policy, spec)
+            try:
+                emu = run_small(spec, policy, "emulate", batches, dev)
+                nat = run_small(spec, policy, "native", batches, dev)
+            except Exception as err:  # noqa: BLE001 - the other precisions are still worth it
+                rows.append({**row, "error": _error(err)})
+                continue
+            row.update(
+                logits_emul_native=rel_diff(emu[0], nat[0]),
+                logits_native_fp32=rel_diff(nat[0], fp32[0]),
+                loss0_emul_native=abs(emu[1] - nat[1]) / abs(nat[1]),
+                final_emul_native=abs(emu[2] - nat[2]) / abs(nat[2]),
+                final_native_fp32=abs(nat[2] - fp32[2]) / abs(fp32[2]),
+                loss_emul=emu[2],
+                loss_native=nat[2],
+                loss_fp32=fp32[2],
+                note=nat[3],
+            )
+            rows.append(row)
+            print(row, flush=True)
     return rows
 
 
@@ -209,20 +324,18 @@ class _SurrogateOnly:
         return getattr(self._evaluator, name)
 
 
-def searched_policy(args: Args, device: Any, cost_spec: Any) -> tuple[PrecisionPolicy, str]:
-    """``--policy``, else the greedy agent's best on the surrogate; and how it was made."""
-    if args.policy is not None:
+def searched_policy(bench: Bench, args: Args, device: Any, cost_spec: Any) -> tuple[Any, str]:
+    """The policy file, else the greedy agent's best on the surrogate; and how it was made."""
+    if bench.policy_file is not None:
         from autoprec.policy_io import load_policy
 
-        return load_policy(args.policy), f"policy file `{args.policy}`"
+        return load_policy(bench.policy_file), f"policy file `{bench.policy_file}`"
     from autoprec.agents import Problem, search
     from autoprec.data import load_dataset_for
     from autoprec.evaluate import Evaluator
-    from autoprec.models import load_model
 
-    size = None if args.model in ("tinycnn", "mlp") else 32
-    spec = load_model(args.model, num_classes=10, image_size=size)  # the data's classes
-    data = load_dataset_for(spec, DEFAULT_DATASET, seed=0)
+    spec = bench.build_small()
+    data = load_dataset_for(spec, bench.dataset, seed=0)
     warm, steps = (5, 2) if args.dry_run else (50, 10)
     evaluator = Evaluator(
         spec,
@@ -232,104 +345,94 @@ def searched_policy(args: Args, device: Any, cost_spec: Any) -> tuple[PrecisionP
         warm_start_steps=warm,
         cache_dir=tempfile.mkdtemp(prefix="autoprec-gpu-validate-"),
         cost_spec=cost_spec,
-        cost_batch_size=args.batch_size,
+        cost_batch_size=bench.batch,
     )
-    allowed = [p for p in (*NATIVE_PRECISIONS, "fp8") if p != "fp8" or args.search_fp8]
-    allowed = [p for p in allowed if device.supports(p)]
-    problem = Problem(_SurrogateOnly(evaluator), precisions=tuple(allowed))
+    problem = Problem(_SurrogateOnly(evaluator), precisions=tuple(device.supported_precisions))
     result = search(problem, budget=args.search_budget, agent="greedy")
     best = max(result.trials, key=lambda t: t.reward)
     how = (
-        f"greedy agent on the surrogate ({len(result.trials)} surrogate evaluations; "
-        f"{args.model} at {size or 'its own size'} on {DEFAULT_DATASET}, {warm}-step fp32 "
-        f"warm start; precisions {', '.join(allowed)}): predicted loss delta "
-        f"{best.metrics.loss_delta:+.4f}, reward {best.reward:.3f}"
+        f"greedy agent on the surrogate ({len(result.trials)} surrogate evaluations; the same "
+        f"layers at input {tuple(spec.input_shape)} on {bench.dataset}, {warm}-step fp32 warm "
+        f"start; precisions {', '.join(problem.supported())}, per layer those that run "
+        f"natively): predicted loss delta {best.metrics.loss_delta:+.4f}, reward "
+        f"{best.reward:.3f}"
     )
-    return result.policy_of(best, spec), how
+    return result.policy_of(best, cost_spec), how
 
 
-def policies(
-    args: Args, device: Any, table: Any, cost_spec: Any
-) -> tuple[list[tuple[str, Any]], str]:
-    """(name, policy or why it is not run) for each row of part 2; how the searched policy
-    was made."""
-    from autoprec.hardware import default_policy
-    from autoprec.hardware.defaults import amp_policy
+def random_policies(table: Any, device: Any, n: int, seed: int) -> list[PrecisionPolicy]:
+    """``n`` random policies that run natively on ``device``: each first draws its own mix of
+    the device's precisions (weights uniform on the simplex, so that the policies spread from
+    mostly wide to mostly narrow), then each layer one of the precisions it runs, by that mix."""
+    from autoprec.hardware.runnability import runnable_precisions
 
-    out: list[tuple[str, Any]] = [("fp32 (TF32 off)", PrecisionPolicy.uniform("fp32"))]
-    out.append(
-        ("tf32", PrecisionPolicy.uniform("tf32"))
-        if device.supports("tf32")
-        else ("tf32", f"{device.name} has no tf32")
-    )
-    try:
-        out.append(("AMP-bf16", amp_policy(device, "bf16")))
-    except ValueError as err:
-        out.append(("AMP-bf16", str(err)))
-    out.append(("hardware default", default_policy(table, device)))
-    try:
-        policy, how = searched_policy(args, device, cost_spec)
-        out.append(("searched", policy))
-    except Exception as err:  # noqa: BLE001 - the other rows are still worth measuring
-        how = f"search failed: {type(err).__name__}: {err}"
-        out.append(("searched", how))
-    return out, how
+    choices = runnable_precisions(table, device, device.supported_precisions)
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        mix = {p: rng.expovariate(1.0) for p in device.supported_precisions}
+        layers = {
+            name: rng.choices([p.value for p in ok], [mix[p.value] for p in ok])[0]
+            for name, ok in choices.items()
+        }
+        out.append(scaled(PrecisionPolicy(layers=layers)))
+    return out
 
 
-def measure(
-    make_spec: Callable[[], Any], policy: PrecisionPolicy, args: Args, dev: torch.device
-) -> dict[str, Any]:
-    """Median step time, images/s and peak memory of training under ``policy`` (native)."""
-    spec = make_spec()
-    model = handle = scaler = opt = x = y = None
+def _mark(cuda: bool) -> Any:
+    """A point in time: a recorded CUDA event (the GPU's clock), else ``perf_counter``."""
+    if not cuda:
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def measure(bench: Bench, policy: PrecisionPolicy, args: Args, dev: torch.device) -> dict:
+    """Median step time, samples/s and peak memory of training under ``policy`` (native)."""
+    spec = model = handle = scaler = opt = x = y = None
     try:
         if dev.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(dev)
+        with dev:  # built on the device: the big models initialise in a fraction of the time
+            spec = bench.build()
         model = spec.module.to(dev)
         model.train()
-        x = torch.randn(args.batch_size, *spec.input_shape, device=dev)
-        y = torch.randint(0, spec.num_classes, (args.batch_size,), device=dev)
+        x, y = spec.example_batch(bench.batch, device=dev)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             handle = apply_policy(model, policy, mode="native")
-        scaler = LossScaler.from_policy(policy, device=dev)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        times = []
-        for i in range(args.warmup + args.steps):
-            if dev.type == "cuda":
-                begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-                begin.record()
-            else:
-                t0 = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            scaler.scale(spec.loss(model(x), y)).backward()
-            scaler.step(opt)
-            scaler.update()
-            if dev.type == "cuda":
-                end.record()
-                if i >= args.warmup:
-                    times.append((begin, end))
-            elif i >= args.warmup:
-                times.append(time.perf_counter() - t0)
-        sync(dev)
-        if dev.type == "cuda":
-            seconds = [b.elapsed_time(e) / 1e3 for b, e in times]
-            memory = int(torch.cuda.max_memory_allocated(dev))
-        else:
-            seconds, memory = times, None
+            swapped = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
+            scaler = LossScaler.from_policy(policy, device=dev)
+            opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+            cuda = dev.type == "cuda"
+            marks = [_mark(cuda)]  # step i runs between marks i and i + 1
+            for _ in range(args.warmup + args.steps):
+                opt.zero_grad(set_to_none=True)
+                scaler.scale(spec.loss(model(x), y)).backward()
+                scaler.step(opt)
+                scaler.update()
+                marks.append(_mark(cuda))
+            if cuda:
+                torch.cuda.synchronize(dev)
+            timed = list(zip(marks[args.warmup : -1], marks[args.warmup + 1 :], strict=True))
+            seconds = [a.elapsed_time(b) / 1e3 if cuda else b - a for a, b in timed]
+            memory = int(torch.cuda.max_memory_allocated(dev)) if cuda else None
         step = statistics.median(seconds)
+        note = _notes(caught)
+        note = "; ".join(filter(None, [f"{swapped} Float8Linear" if swapped else "", note]))
         return {
             "step_s": step,
-            "throughput": args.batch_size / step,
+            "throughput": bench.batch / step,
             "memory_bytes": memory,
             "skipped_steps": scaler.skipped_steps,
-            "note": "; ".join(sorted({str(w.message).split(";")[0] for w in caught})),
+            "note": note,
         }
     except torch.cuda.OutOfMemoryError:
-        return {"error": f"out of memory at batch {args.batch_size}"}
+        return {"error": f"out of memory at batch {bench.batch}"}
     except Exception as err:  # noqa: BLE001 - one failing row must not lose the others
-        return {"error": f"{type(err).__name__}: {err}".splitlines()[0][:150]}
+        return {"error": _error(err)}
     finally:
         if handle is not None:
             handle.remove()
@@ -339,55 +442,87 @@ def measure(
             torch.cuda.empty_cache()
 
 
-def predict(cost_model: Any, table: Any, policy: PrecisionPolicy, batch: int) -> dict[str, Any]:
-    if cost_model is None:
-        return {}
-    est = cost_model.step(table, policy, batch_size=batch)
-    return {
-        "pred_step_s": est.step_time_s,
-        "pred_throughput": est.throughput,
-        "pred_memory_bytes": int(est.memory_bytes),
-    }
+def spearman(a: list[float], b: list[float]) -> float | None:
+    """Rank correlation of ``a`` and ``b`` (ties: mean ranks); None below 3 points."""
+
+    def ranks(v: list[float]) -> list[float]:
+        order = sorted(range(len(v)), key=v.__getitem__)
+        out = [0.0] * len(v)
+        i = 0
+        while i < len(v):
+            j = i
+            while j + 1 < len(v) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2
+            i = j + 1
+        return out
+
+    if len(a) < 3:
+        return None
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = statistics.fmean(ra), statistics.fmean(rb)
+    cov = sum((p - ma) * (q - mb) for p, q in zip(ra, rb, strict=True))
+    norm = math.sqrt(sum((p - ma) ** 2 for p in ra) * sum((q - mb) ** 2 for q in rb))
+    return cov / norm if norm > 0 else None
 
 
 def measured_vs_predicted(
-    args: Args, dev: torch.device, device: Any, clock: Clock
-) -> tuple[list[dict[str, Any]], str, str]:
-    """Rows of part 2; why there is no prediction ('' if there is); how the searched policy
-    was made."""
+    bench: Bench, args: Args, dev: torch.device, device: Any, clock: Clock
+) -> dict[str, Any]:
+    """Part 2 for one model: its rows, the rank correlation, how the searched policy was made."""
     from autoprec.graph import analyze
     from autoprec.hardware import CostModel
-    from autoprec.models import load_model
+    from autoprec.hardware.defaults import amp_policy
 
-    size = None if args.model in ("tinycnn", "mlp") else args.image_size
-
-    def make_spec() -> Any:
-        return load_model(args.model, num_classes=1000 if size else 10, image_size=size)
-
-    cost_spec = make_spec()
-    table = analyze(cost_spec, args.batch_size, cache=True)  # on the meta device: cheap
+    cost_spec = bench.build()
+    table = analyze(cost_spec, bench.batch, cache=True)  # on the meta device: cheap
     try:
         cost_model, why = CostModel(device), ""
     except ValueError as err:
         cost_model, why = None, str(err)
+    named: list[tuple[str, Any]] = [("fp32 (TF32 off)", PrecisionPolicy.uniform("fp32"))]
+    for name, p in (("tf32", "tf32"), ("AMP-bf16", "bf16")):  # blanket, as AMP would be
+        ok = device.supports(p)
+        named.append((name, amp_policy(device, p) if ok else f"{device.name} has no {p}"))
+    how = "skipped: time limit"
+    if clock.left() > (0 if args.dry_run else 120):
+        try:
+            policy, how = searched_policy(bench, args, device, cost_spec)
+            named.append(("searched", policy))
+        except Exception as err:  # noqa: BLE001 - the other rows are still worth measuring
+            how = f"search failed: {_error(err)}"
+    if "searched" not in dict(named):
+        named.append(("searched", how))
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    randoms = random_policies(table, device, args.random_policies, args.seed)
+    named += [(f"random {i + 1}", p) for i, p in enumerate(randoms)]
     rows = []
-    named, how = policies(args, device, table, cost_spec)
     for name, policy in named:
         if isinstance(policy, str):
             rows.append({"policy": name, "error": policy})
+            print(rows[-1], flush=True)
             continue
         row: dict[str, Any] = {"policy": name, "layers": _layer_mix(policy, cost_spec)}
-        try:
-            row.update(predict(cost_model, table, policy, args.batch_size))
-        except ValueError as err:
-            row["prediction_error"] = str(err)
+        if cost_model is not None:
+            try:
+                est = cost_model.step(table, policy, batch_size=bench.batch)
+                row.update(pred_step_s=est.step_time_s, pred_memory_bytes=int(est.memory_bytes))
+            except Exception as err:  # noqa: BLE001 - a failing prediction is this row's
+                row["prediction_error"] = _error(err)
         if clock.left() < 45:
             row["error"] = "skipped: time limit"
         else:
-            row.update(measure(make_spec, policy, args, dev))
+            row.update(measure(bench, policy, args, dev))
+        if "step_s" in row and "pred_step_s" in row:
+            row["ratio"] = row["step_s"] / row["pred_step_s"]
         rows.append(row)
         print(row, flush=True)
-    return rows, why, how
+    both = [r for r in rows if "ratio" in r]
+    rho = spearman([r["pred_step_s"] for r in both], [r["step_s"] for r in both])
+    return {"model": bench.name, "rows": rows, "spearman": rho, "no_prediction": why, "how": how}
 
 
 def _layer_mix(policy: PrecisionPolicy, spec: Any) -> str:
@@ -404,99 +539,98 @@ def _f(value: Any, fmt: str, scale: float = 1.0) -> str:
     return format(value * scale, fmt)
 
 
-def report(args: Args, gpu: str, device: Any, small: list, big: list, why: str, how: str) -> str:
-    small_rows = []
+def _small_table(small: list[dict[str, Any]]) -> str:
+    rows = []
     for r in small:
+        head = [r["model"], r["precision"], r.get("layers", "-")]
         if "error" in r:
-            small_rows.append([r["precision"], f"not run: {r['error']}"] + ["-"] * 5)
+            rows.append([*head, f"not run: {r['error']}"] + ["-"] * 5)
             continue
-        small_rows.append(
-            [
-                r["precision"],
-                _f(r["logits_emul_native"], ".2e"),
-                _f(r["logits_native_fp32"], ".2e"),
-                _f(r["loss0_emul_native"], ".2e"),
-                _f(r["final_emul_native"], ".2e"),
-                _f(r["final_native_fp32"], ".2e"),
-                r["note"] or "-",
-            ]
-        )
-    big_rows = []
-    for r in big:
-        pred = [
-            _f(r.get("pred_step_s"), ".1f", 1e3),
-            _f(r.get("pred_throughput"), ".0f"),
-            _f(r.get("pred_memory_bytes"), ".2f", 1e-9),
-        ]
+        keys = ("logits_emul_native", "logits_native_fp32", "loss0_emul_native")
+        keys += ("final_emul_native", "final_native_fp32")
+        rows.append([*head, *(_f(r[k], ".2e") for k in keys), r["note"] or "-"])
+    header = ["model", "precision", "layers", "logits: emulate vs native"]
+    header += ["logits: native vs fp32", "initial loss: emulate vs native"]
+    header += ["trained loss: emulate vs native", "trained loss: native vs fp32", "note"]
+    return md_table(header, rows)
+
+
+def _model_table(result: dict[str, Any], bench: Bench) -> str:
+    rows = []
+    for r in result["rows"]:
+        pred = _f(r.get("pred_step_s"), ".1f", 1e3)
+        mem = _f(r.get("pred_memory_bytes"), ".2f", 1e-9)
+        note = r.get("prediction_error") or r.get("note") or "-"
         if "error" in r:
-            big_rows.append([r["policy"], r.get("layers", "-"), r["error"], "-", "-", *pred, "-"])
+            rows.append([r["policy"], r.get("layers", "-"), r["error"], pred] + ["-"] * 3 + [mem])
+            rows[-1].append(note)
             continue
-        ratio = r["step_s"] / r["pred_step_s"] if "pred_step_s" in r else None
-        big_rows.append(
-            [
-                r["policy"],
-                r["layers"],
-                _f(r["step_s"], ".1f", 1e3),
-                _f(r["throughput"], ".0f"),
-                _f(r["memory_bytes"], ".2f", 1e-9),
-                *pred,
-                _f(ratio, ".2f"),
-            ]
-        )
-    kind = "CPU dry run (numbers only show that the script works)" if args.dry_run else gpu
-    size = "its own size" if args.model in ("tinycnn", "mlp") else f"{args.image_size}x"
+        measured = [_f(r["step_s"], ".1f", 1e3), pred, _f(r.get("ratio"), ".2f")]
+        measured += [_f(r["throughput"], ".0f"), _f(r["memory_bytes"], ".2f", 1e-9), mem]
+        rows.append([r["policy"], r["layers"], *measured, note])
+    header = ["policy", "layers", "step ms", "predicted ms", "measured / predicted"]
+    header += ["samples/s", "peak GB", "predicted GB", "note"]
+    rho, n = result["spearman"], sum("ratio" in r for r in result["rows"])
     return "\n".join(
         [
-            f"## On a GPU: {kind}",
+            f"**{bench.name}**, batch {bench.batch}, {bench.shape}. Searched policy: "
+            f"{result['how']}.",
             "",
-            provenance(invocation(__file__)),
-            f"Device: **{gpu}**; predictions for the database entry **{device.name}**"
-            + (f" (no prediction: {why})" if why else "")
-            + ".",
+            md_table(header, rows),
             "",
-            f"Native against emulate: {args.small_model} on {DEFAULT_DATASET}, every tunable "
-            f"layer at the precision, batch {args.small_batch}, {args.small_steps} SGD steps "
-            "(lr 0.01, no momentum; fp16 with dynamic loss scaling) from the same weights on "
-            "the same batches; relative differences of the logits and loss of the first batch "
-            "at the initial weights and of that batch's loss after training.",
-            "",
-            md_table(
-                [
-                    "precision",
-                    "logits: emulate vs native",
-                    "logits: native vs fp32",
-                    "initial loss: emulate vs native",
-                    "trained loss: emulate vs native",
-                    "trained loss: native vs fp32",
-                    "note",
-                ],
-                small_rows,
-            ),
-            "",
-            f"Training steps of {args.model} at batch {args.batch_size}, {size} synthetic "
-            f"inputs, SGD momentum, native mode: median of {args.steps} steps after "
-            f"{args.warmup} warm-up steps; peak = `torch.cuda.max_memory_allocated`. Predicted: "
-            f"`CostModel({device.name!r}).step(...)`. Ratio: measured / predicted step time. "
-            f"Searched policy: {how}."
-            + (" cuDNN autotuning (`cudnn.benchmark`) on." if gpu != "cpu" else ""),
-            "",
-            md_table(
-                [
-                    "policy",
-                    "layers",
-                    "step ms",
-                    "images/s",
-                    "peak GB",
-                    "predicted ms",
-                    "predicted images/s",
-                    "predicted GB",
-                    "measured / predicted",
-                ],
-                big_rows,
-            ),
+            f"Rank correlation (Spearman) of predicted and measured step time over the {n} "
+            f"measured policies: **{_f(rho, '.2f')}**.",
             "",
         ]
     )
+
+
+def _software(cuda: bool) -> str:
+    try:
+        torchao = importlib.metadata.version("torchao")
+    except importlib.metadata.PackageNotFoundError:
+        torchao = "not installed (no native fp8)"
+    if not cuda:
+        return f"torchao {torchao}"
+    cudnn = torch.backends.cudnn.version()
+    return f"CUDA {torch.version.cuda}, cuDNN {cudnn}, torchao {torchao}"
+
+
+def report(args: Args, gpu: str, device: Any, small: list, models: list, benchmarks: list) -> str:
+    kind = "CPU dry run (numbers only show that the script works)" if args.dry_run else gpu
+    why = next((m["no_prediction"] for m in models if m["no_prediction"]), "")
+    parts = [
+        f"## On a GPU: {kind}",
+        "",
+        provenance(invocation(__file__)),
+        f"Device: **{gpu}** ({_software(gpu != 'cpu')}); predictions for the database entry "
+        f"**{device.name}**" + (f" (no prediction: {why})" if why else "") + ".",
+        "",
+        f"Native against emulate: {args.small_model} on {DEFAULT_DATASET} and tinytransformer on "
+        f"tokens; bf16 and fp16 on every tunable layer, fp8 on the layers that run it natively "
+        f"(torchao Float8Linear) with fp32 or bf16 elsewhere; batch {args.small_batch}, "
+        f"{args.small_steps} SGD steps (lr 0.01, no momentum; fp16 with dynamic loss scaling) "
+        "from the same weights on the same batches; relative differences of the logits and "
+        "loss of the first batch at the initial weights and of that batch's loss after training.",
+        "",
+        _small_table(small),
+        "",
+        f"Training steps, SGD momentum, native mode: median of {args.steps} steps after "
+        f"{args.warmup} warm-up steps; peak = `torch.cuda.max_memory_allocated`. Predicted: "
+        f"`CostModel({device.name!r}).step(table, policy)` (NCHW activations, SGD). Random "
+        f"policies (seed {args.seed}): each draws a mix of {device.name}'s precisions (uniform "
+        f"on the simplex), then each layer's precision by that mix from those it runs natively "
+        f"there; any policy with an fp16 layer uses dynamic loss scaling."
+        + (
+            " cuDNN autotuning (`cudnn.benchmark`) on; TF32 off outside tf32 layers."
+            if gpu != "cpu"
+            else ""
+        ),
+        "",
+    ]
+    for result, bench in zip(models, benchmarks, strict=True):
+        parts.append(_model_table(result, bench))
+    return "\n".join(parts)
 
 
 def copy_sections(source: Path, docs: Path) -> dict[str, Any]:
@@ -527,26 +661,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     dev = torch.device("cuda" if cuda else "cpu")
     if cuda:
         torch.backends.cudnn.benchmark = True  # as production training runs
+        torch.backends.cuda.matmul.fp32_precision = "ieee"  # TF32 only where a layer asks
+        torch.backends.cudnn.conv.fp32_precision = "ieee"
     if args.dry_run:
         args.small_model, args.model = "tinycnn", "tinycnn"
         args.small_batch, args.small_steps = 8, 2
         args.batch_size, args.warmup, args.steps = 4, 1, 2
+        args.width, args.blocks, args.heads, args.seq_len, args.transformer_batch = 32, 2, 4, 16, 4
         args.search_budget = min(args.search_budget, 30)
     gpu = torch.cuda.get_device_name(dev) if cuda else "cpu"
     device = get_device(args.device) if args.device else (detect() if cuda else None)
     device = device if device is not None else get_device("h100-sxm")
     print(f"device: {gpu}; predictions for {device.name}", flush=True)
-    small = native_vs_emulate(args, dev)
-    big, why, how = measured_vs_predicted(args, dev, device, clock)
-    body = report(args, gpu, device, small, big, why, how)
+    small = native_vs_emulate(args, dev, device)
+    benchmarks = benches(args)
+    models = [measured_vs_predicted(b, args, dev, device, clock) for b in benchmarks]
+    body = report(args, gpu, device, small, models, benchmarks)
     print(body)
-    results = {
-        "device": gpu,
-        "predicted_for": device.name,
-        "small": small,
-        "training": big,
-        "searched": how,
-    }
+    results = {"device": gpu, "predicted_for": device.name, "small": small, "models": models}
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2, default=str))
     if args.write_docs:

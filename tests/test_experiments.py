@@ -182,6 +182,28 @@ def test_hypervolume_matches_optuna_on_random_fronts():
 
 
 # ------------------------------------------------------------------------------ quick modes
+@pytest.mark.parametrize(
+    ("script", "args"),
+    [
+        ("ground_truth", ["--quick", "--write-docs"]),  # the default --docs
+        ("ground_truth", ["--quick", "--plot", str(ROOT / "docs" / "regret.png")]),
+        ("migration", ["--quick", "--write-docs"]),
+        ("gpu_validate", ["--dry-run", "--write-docs"]),
+    ],
+)
+def test_quick_and_dry_runs_refuse_to_write_under_docs(script, args, capsys):
+    module = _load_script(script)
+    with pytest.raises(SystemExit) as refused:  # at parsing, before any work
+        module.parse_args(module.Args, "test", args)
+    assert refused.value.code == 2
+    assert "writes nothing under docs/" in capsys.readouterr().err
+    benchlib = sys.modules["benchlib"]
+    with pytest.raises(SystemExit, match="writes nothing under docs/"):
+        benchlib.write_section("x", "body", path=benchlib.DOCS)  # the last guard
+    module.parse_args(module.Args, "test", [])  # a full run may write the docs
+    benchlib.docs_output(benchlib.DOCS)
+
+
 def test_overflow_quick(tmp_path):
     section = _section(_run("overflow.py", tmp_path, "--quick"), "overflow")
     _provenance_ok(section)
@@ -233,24 +255,46 @@ def test_gpu_validate_dry_run(tmp_path):
     section = _section(text, "gpu_validate_dry_run")
     _provenance_ok(section)
     assert "predictions for the database entry **h100-sxm**" in section
-    small, big = _tables(section)
-    assert [r["precision"] for r in small] == ["bf16", "fp16", "fp8"]
-    for r in small[:2]:
-        assert 0.0 < _num(r["logits: emulate vs native"]) < 0.5
-    assert "not wired in" in small[2]["note"]  # fp8 runs emulated in native mode, and says so
-    names = [r["policy"] for r in big]
-    assert names[:4] == ["fp32 (TF32 off)", "tf32", "AMP-bf16", "hardware default"]
-    assert names[4] == "searched"
-    assert "Searched policy: greedy agent on the surrogate" in section
-    for r in big:
-        assert _num(r["step ms"]) > 0 and _num(r["predicted ms"]) > 0
-        assert r["peak GB"] == "-"  # no memory figure without CUDA
+    small, cnn, transformer = _tables(section)
+    variants = ["bf16", "fp16", "fp8", "fp8 + bf16"]
+    assert [(r["model"], r["precision"]) for r in small] == [
+        (m, v) for m in ("tinycnn", "tinytransformer") for v in variants
+    ]
+    for r in small:
+        diff = _num(r["logits: emulate vs native"])  # a number: every variant ran in both modes
+        if r["precision"] == "fp8":  # fp8 (torchao's recipe) next to fp32 layers
+            assert "fp8" in r["layers"] and diff < 0.05
+        else:
+            assert 0.0 < diff < 0.5  # the modes differ, by rounding-sized amounts
+    names = ["fp32 (TF32 off)", "tf32", "AMP-bf16", "searched"]
+    names += [f"random {i}" for i in range(1, 5)]
+    for table in (cnn, transformer):
+        assert [r["policy"] for r in table] == names
+        for r in table:  # every row measured and predicted
+            assert _num(r["step ms"]) > 0 and _num(r["predicted ms"]) > 0
+            assert _num(r["measured / predicted"]) > 0
+            assert r["peak GB"] == "-"  # no memory figure without CUDA
+    # fp8 ran natively (torchao Float8Linear swapped in) in some random transformer policy
+    assert any("fp8" in r["layers"] and "Float8Linear" in r["note"] for r in transformer)
+    assert section.count("Searched policy: greedy agent on the surrogate") == 2
+    rhos = re.findall(r"measured policies: \*\*([-\d.]+)\*\*", section)
+    assert len(rhos) == 2 and all(-1.0 <= float(rho) <= 1.0 for rho in rhos)
     # a section written on another machine is carried into the docs without a run
     copy = tmp_path / "copy.md"
     source = tmp_path / "benchmarks.md"
     cmd = [sys.executable, str(EXPERIMENTS / "gpu_validate.py"), "--section-from", str(source)]
     subprocess.run([*cmd, "--docs", str(copy)], check=True, capture_output=True, timeout=120)
     assert _section(copy.read_text(), "gpu_validate_dry_run") == section
+
+
+def test_gpu_validate_rank_correlation():
+    module = _load_script("gpu_validate")
+    assert module.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert module.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert module.spearman([1, 2, 2, 3], [1, 3, 2, 4]) == pytest.approx(
+        0.9486833
+    )  # ties: mean ranks (scipy)
+    assert module.spearman([1, 2], [1, 2]) is None
 
 
 def test_ground_truth_quick(tmp_path):
