@@ -84,13 +84,13 @@ class _Cast:
             return self.scaled(x).dequantize()
         if not self.count:
             return quantize(x, self.fmt)
+        rounded, over, under = quantize_with_counts(x, self.fmt)  # counted in the one kernel
         if self.fresh_only:
-            rounded = quantize(x, self.fmt)
-            beyond = ~torch.isfinite(rounded) | (x.abs() > self.fmt.max_finite)
-            over = (torch.isfinite(x) & beyond).sum()
-            under = ((rounded == 0) & (x != 0)).sum()
-        else:
-            rounded, over, under = quantize_with_counts(x, self.fmt)
+            # the fused count includes every non-finite value that arrived (its result is not
+            # finite either); on the CPU, where reading a count back is free, look for them
+            # only when something overflowed
+            if x.device.type != "cpu" or int(over):
+                over = over - (~torch.isfinite(x)).sum()
         self.overflows = self.overflows + over
         self.underflows = self.underflows + under
         return rounded
