@@ -24,11 +24,10 @@ rounded to the dtype native code stores them in. Per precision:
 - tf32 rounds the operands of every GEMM, forward and backward, to 10 mantissa bits; results
   stay fp32.
 
-Two differences remain where the caller does not hand the bias over: autocast rounds a 16-bit
-layer's bias to bf16/fp16 before adding it (pass it through ``forward_operand(bias, "bias")``
-for the same bits), and, for fp8, emulation rounds the output gradient at the layer's output, so
-the bias gradient sums the e5m2 gradient, while torchao adds the bias outside its fp8 GEMM and
-sums the unrounded gradient.
+The bias is the caller's to hand over: autocast rounds a 16-bit layer's bias to bf16/fp16
+before adding it (the runtime passes it through ``forward_operand(bias, "bias")``), and
+torchao adds an fp8 layer's bias after its fp8 GEMM, so that its gradient sums the unrounded
+output gradient (the runtime adds it after :meth:`LayerCasts.backward_gradient`).
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from autoprec.hardware.runnability import NotRunnableError
+from autoprec.kernels import fake_quantize
 from autoprec.precision import Precision
 from autoprec.runtime import native
 from autoprec.runtime.casting import LayerCasts
@@ -77,6 +78,7 @@ class ManagedLayer:
         self.casts = self._casts(precision, handle.guard.count and not self.native)
         self.calls = 0
         self.running = 0  # depth of this layer's own forward
+        self._held_bias: nn.Parameter | None = None  # an fp8 layer's bias, added after it
         self.promotions: list[dict[str, Any]] = []
         self._folded = (0, 0)  # counts of casters replaced by a promotion
         self._window: deque[int] = deque(maxlen=handle.guard.window)
@@ -137,7 +139,17 @@ class ManagedLayer:
 
     def _swap_weights(self) -> None:
         slots = [(o, n, "weight") for o, n in self._weight_slots()]
-        slots += [(o, n, "bias") for o, n in self._bias_slots()]  # autocast casts biases too
+        bias_slots = self._bias_slots()
+        linear = isinstance(self.module, nn.Linear)
+        if self.precision is Precision.FP8 and linear and (self.module, "bias") in bias_slots:
+            # torchao's Float8Linear adds its bias after the fp8 GEMM (in the output's dtype),
+            # so the bias gradient sums the unrounded output gradient: take it out of the layer
+            # and add it in post_forward, after the output gradient's rounding
+            self._held_bias = self.module._parameters["bias"]
+            self.module._parameters["bias"] = None
+            self._swapped.append((self.module, "bias", self._held_bias))
+            bias_slots.remove((self.module, "bias"))
+        slots += [(o, n, "bias") for o, n in bias_slots]  # autocast casts biases too
         for owner, pname, stream in slots:
             param = owner._parameters[pname]
             # A non-leaf stand-in for the duration of forward; gradients reach `param` through it.
@@ -184,13 +196,19 @@ class ManagedLayer:
 
     def post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         self.running -= 1
+        bias, self._held_bias = self._held_bias, None
         self.restore_weights()
         if self.native:
             output = self._exit_native(output)
             if self._unswap and not self.running:
                 self._back_to_linear()
             return output
-        return self._round_gradient(output)
+        output = self._round_gradient(output)
+        if bias is not None and isinstance(output, torch.Tensor):  # fp8: as Float8Linear adds it
+            output = output + self.casts.forward_operand(bias, "bias")
+            if self.casts.output_format is not None:  # the add runs in the stored dtype
+                output = fake_quantize(output, self.casts.output_format, None)
+        return output
 
     def _round_gradient(self, output: Any) -> Any:
         if not self.casts.active:

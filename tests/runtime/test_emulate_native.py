@@ -84,9 +84,9 @@ def test_fp8_linear_matches_torchaos_float8_linear():
     (output), 2e-7 and 9e-8 (gradients); a GPU fp8 GEMM accumulates in another order, which
     the 1e-6 bound leaves room for.
 
-    Not compared: the bias gradient. torchao adds the bias outside its fp8 GEMM and sums the
-    unrounded output gradient; emulation rounds the gradient at the layer's output, so its
-    bias gradient sums the e5m2 gradient (5% relative here).
+    The bias gradient too: as torchao, the runtime adds an fp8 layer's bias after the fp8 GEMM,
+    so its gradient sums the unrounded output gradient (when the bias went through the layer,
+    the e5m2-rounded gradient made it differ by 5% relative here).
     """
     model, ref = _fp8_pair()
     torch.manual_seed(1)
@@ -97,15 +97,14 @@ def test_fp8_linear_matches_torchaos_float8_linear():
     for name, a, b in zip(("output", "grad_input", "grad_weight"), got, want, strict=True):
         assert a.dtype == b.dtype == torch.float32
         assert _rel(a, b) <= 1e-6, name
+    assert _rel(model[0].bias.grad, ref[0].bias.grad) <= 1e-6
 
 
 def test_fp8_training_keeps_no_history():
     """Several SGD steps with inputs and gradients whose range jumps by 2**10 from step to step:
     delayed scaling would saturate or flush after each jump, current scaling follows it, and
-    the emulated run stays with torchao's, step after step. Without a bias: its gradient is
-    the one known difference (see above), and an updated bias would carry it into the next
-    step's output."""
-    model, ref = _fp8_pair(seed=3, bias=False)
+    the emulated run stays with torchao's, step after step, its bias included."""
+    model, ref = _fp8_pair(seed=3)
     opts = [torch.optim.SGD(m.parameters(), lr=0.01) for m in (model, ref)]
     gen = torch.Generator().manual_seed(4)
     with apply_policy(model, {"0": "fp8"}, mode="emulate") as handle:
