@@ -36,9 +36,11 @@ def check_writable(folders: Iterable[Path], error: type[Exception]) -> None:
 
 def build_evaluator(o: dict[str, Any], device: Any, fidelity: str = "short") -> Any:
     """Model, data and evaluator from the shared options: fine-tuning at ``--image-size``
-    (:data:`SMALL_IMAGE` for torchvision models), costs at ``--train-batch-size`` and
-    ``--train-image-size`` (default: the model's own), feasibility in ``--target-mode``."""
-    from autoprec.data import load_dataset_for
+    (:data:`SMALL_IMAGE` for torchvision models) on ``--dataset`` (None: the default for the
+    model's task, written back into ``o["dataset"]`` for what is printed and logged), costs at
+    ``--train-batch-size`` and ``--train-image-size`` (default: the model's own), feasibility
+    in ``--target-mode``."""
+    from autoprec.data import default_dataset, load_dataset_for
     from autoprec.evaluate import Evaluator
     from autoprec.models import load_model
 
@@ -55,6 +57,8 @@ def build_evaluator(o: dict[str, Any], device: Any, fidelity: str = "short") -> 
     data_kwargs: dict[str, Any] = {"seed": o["seed"]}
     if o["data_dir"]:
         data_kwargs["root"] = o["data_dir"]
+    if o["dataset"] is None:
+        o["dataset"] = default_dataset(spec.task)
     data = load_dataset_for(spec, o["dataset"], **data_kwargs)
     return Evaluator(
         spec,

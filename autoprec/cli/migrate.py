@@ -29,7 +29,11 @@ class MigrateSetupError(ValueError):
 
 @click.command()
 @click.option("--model", "model_name", required=True, help="Model name (see `autoprec models`).")
-@click.option("--dataset", default=DEFAULT_DATASET, show_default=True, help="Data for fine-tuning.")
+@click.option(
+    "--dataset",
+    default=None,
+    help=f"Data for fine-tuning (default: {DEFAULT_DATASET}; tokens for token models).",
+)
 @click.option("--data-dir", type=click.Path(), default=None, help="Folder for cifar/imagefolder.")
 @click.option(
     "--target",

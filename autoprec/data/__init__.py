@@ -12,6 +12,18 @@ Example:
 from __future__ import annotations
 
 from autoprec.data._base import DataBundle, DatasetError
-from autoprec.data.registry import list_datasets, load_dataset, load_dataset_for
+from autoprec.data.registry import (
+    default_dataset,
+    list_datasets,
+    load_dataset,
+    load_dataset_for,
+)
 
-__all__ = ["DataBundle", "DatasetError", "list_datasets", "load_dataset", "load_dataset_for"]
+__all__ = [
+    "DataBundle",
+    "DatasetError",
+    "default_dataset",
+    "list_datasets",
+    "load_dataset",
+    "load_dataset_for",
+]

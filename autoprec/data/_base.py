@@ -65,6 +65,7 @@ class DataBundle:
     vocab_size: int | None = None
 
     def __post_init__(self) -> None:
+        self.task = getattr(self.task, "value", self.task)  # a Task enum becomes its name
         if self.task not in TASKS:
             raise DatasetError(f"unknown task {self.task!r}; expected one of {', '.join(TASKS)}")
         self.input_shape = tuple(int(d) for d in self.input_shape)
@@ -158,6 +159,8 @@ class DataRequest:
     vocab_size: int | None = None
 
     def __post_init__(self) -> None:
+        # a ``Task`` enum (``spec.task``) becomes its plain name, so messages print the name
+        object.__setattr__(self, "task", getattr(self.task, "value", self.task))
         shape = self.input_shape
         if not shape or any(int(d) < 1 for d in shape):
             raise DatasetError(f"{self.name}: input_shape must be positive sizes; got {shape!r}")
@@ -257,6 +260,15 @@ class ToModelShape:
 
     def __repr__(self) -> str:
         return f"ToModelShape({self.shape})"
+
+
+def check_image_task(req: DataRequest) -> None:
+    """Refuse an image dataset for a model whose task is not image-classification."""
+    if req.task not in (None, "image-classification"):
+        raise DatasetError(
+            f"{req.name} is an image-classification dataset; the model's task is {req.task} "
+            "(use 'tokens' for models that read token ids)"
+        )
 
 
 def check_num_classes(name: str, have: int, want: int | None) -> int:

@@ -15,7 +15,7 @@ from torch.utils.data import TensorDataset
 from autoprec.data._base import (
     DataBundle,
     DataRequest,
-    DatasetError,
+    check_image_task,
     check_num_classes,
     image_geometry,
     split_indices,
@@ -37,11 +37,7 @@ def _raw_digits() -> tuple[torch.Tensor, torch.Tensor]:
 
 def load_digits_bundle(req: DataRequest) -> DataBundle:
     """The digits dataset resized to ``req.input_shape``; see the module docstring."""
-    if req.task not in (None, "image-classification"):
-        raise DatasetError(
-            f"digits is an image-classification dataset; the model's task is {req.task!r} "
-            "(use 'tokens' for text models)"
-        )
+    check_image_task(req)
     num_classes = check_num_classes("digits", NUM_CLASSES, req.num_classes)
     channels, height, width = image_geometry("digits", req.input_shape)
     images, labels = _raw_digits()

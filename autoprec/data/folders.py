@@ -8,7 +8,11 @@ models, ``Resize`` when the size differs, ``Normalize``, and a reshape for flat 
   is ``val`` (``val_fraction`` is not used; ``max_samples`` caps the two together, split by
   ``val_fraction`` with a seeded choice of examples).
 * ``imagefolder``: ``root/<class>/<image>`` as ``torchvision.datasets.ImageFolder`` reads it;
-  train and val are a seeded split of the whole folder.
+  train and val are a seeded split of the whole folder. At least two class folders are needed.
+  A file that cannot be decoded is an error naming it: every image of the two splits is decoded
+  once when the folder is loaded (up to :data:`CHECK_IMAGES_MAX` of them, about a millisecond
+  each; a larger folder is checked as it is read), so a damaged file stops the work before any
+  training rather than passing for a diverged run.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from autoprec.data._base import (
     DataRequest,
     DatasetError,
     ToModelShape,
+    check_image_task,
     check_num_classes,
     image_geometry,
     rng,
@@ -51,12 +56,50 @@ _CIFAR = {
 }
 _IMAGENET_MEAN, _IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
+#: Image folders with at most this many images in the splits are decoded in full when loaded.
+CHECK_IMAGES_MAX = 10_000
+_SHOWN_CLASSES = 3  # class names quoted in an error
 
-def _check_image_task(req: DataRequest) -> None:
-    if req.task not in (None, "image-classification"):
-        raise DatasetError(
-            f"{req.name} is an image-classification dataset; the model's task is {req.task!r}"
-        )
+
+def _unreadable(path: str, err: Exception) -> DatasetError:
+    return DatasetError(
+        f"imagefolder: cannot read image '{path}' ({type(err).__name__}: {err}); "
+        "replace or remove the file"
+    )
+
+
+def read_image(path: str) -> Any:
+    """torchvision's default image loader (PIL, RGB), with an undecodable file a
+    :class:`DatasetError` that names it."""
+    from PIL import Image
+
+    try:
+        with open(path, "rb") as fh:
+            return Image.open(fh).convert("RGB")
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
+        raise _unreadable(path, err) from None
+
+
+def _check_images(paths: list[str]) -> None:
+    """Decode every one of ``paths`` (a truncated JPEG opens, then fails to decode)."""
+    from PIL import Image
+
+    for path in paths:
+        try:
+            with Image.open(path) as image:
+                image.load()
+        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
+            raise _unreadable(path, err) from None
+
+
+def _check_classes(root: Path, classes: list[str], hint: str) -> None:
+    if len(classes) >= 2:
+        return
+    found = ", ".join(repr(c) for c in classes[:_SHOWN_CLASSES]) or "none"
+    raise DatasetError(
+        f"imagefolder: found {len(classes)} class folder in '{root}' ({found}); "
+        f"classification needs at least 2; {hint}"
+    )
 
 
 def _transform(
@@ -100,7 +143,7 @@ def load_cifar_bundle(req: DataRequest) -> DataBundle:
     """CIFAR-10 or CIFAR-100 from ``req.root``; downloads only when ``req.download``."""
     import torchvision.datasets
 
-    _check_image_task(req)
+    check_image_task(req)
     cls_name, folder, classes, label, mean, std = _CIFAR[req.name]
     hint = "pass --data-dir pointing at it, or --download to fetch it"
     if req.root is None:
@@ -139,7 +182,7 @@ def load_imagefolder_bundle(req: DataRequest) -> DataBundle:
     """``root/<class>/<image>`` images with a seeded train/val split."""
     from torchvision.datasets import ImageFolder
 
-    _check_image_task(req)
+    check_image_task(req)
     hint = "pass --data-dir pointing at a folder with one subfolder of images per class"
     if req.root is None:
         raise DatasetError(f"imagefolder: no data directory given; {hint}")
@@ -151,15 +194,19 @@ def load_imagefolder_bundle(req: DataRequest) -> DataBundle:
     # size=(0, 0) forces a Resize: folder images may differ in size
     transform = _transform(req, (0, 0), mean, std)
     try:
-        dataset = ImageFolder(str(root), transform=transform)
+        dataset = ImageFolder(str(root), transform=transform, loader=read_image)
     except FileNotFoundError as err:  # no class folders, or no images in them
         raise DatasetError(
             f"imagefolder: no class subfolders with images in '{root}'; {hint}"
         ) from err
+    _check_classes(root, dataset.classes, hint)
     num_classes = check_num_classes("imagefolder", len(dataset.classes), req.num_classes)
     train_idx, val_idx = split_indices(
         len(dataset), seed=req.seed, val_fraction=req.val_fraction, max_samples=req.max_samples
     )
+    used = sorted(train_idx.tolist() + val_idx.tolist())
+    if len(used) <= CHECK_IMAGES_MAX:
+        _check_images([dataset.samples[i][0] for i in used])
     return DataBundle(
         name="imagefolder",
         train=Subset(dataset, train_idx.tolist()),

@@ -22,6 +22,7 @@ from autoprec.data.digits import load_digits_bundle
 from autoprec.data.folders import load_cifar_bundle, load_imagefolder_bundle
 from autoprec.data.synthetic import load_synthetic_bundle, load_tokens_bundle
 from autoprec.data.teacher import load_teacher_bundle
+from autoprec.defaults import DEFAULT_DATASET
 
 _IMAGE = ("image-classification",)
 _TOKENS = ("sequence-classification", "token-classification")
@@ -83,6 +84,22 @@ _REGISTRY: dict[str, _Entry] = {
         needs_root=True,
     ),
 }
+
+
+#: The dataset a command uses when none is named, by the model's task.
+TASK_DATASETS: dict[str, str] = {
+    "image-classification": DEFAULT_DATASET,
+    "sequence-classification": "tokens",
+    "token-classification": "tokens",
+}
+
+
+def default_dataset(task: str) -> str:
+    """The dataset for a model of ``task`` when none is named (:data:`TASK_DATASETS`)."""
+    key = getattr(task, "value", task)
+    if key not in TASK_DATASETS:
+        raise DatasetError(f"unknown task {key!r}; expected one of {', '.join(TASK_DATASETS)}")
+    return TASK_DATASETS[key]
 
 
 def list_datasets() -> list[dict[str, Any]]:
@@ -164,11 +181,13 @@ def load_dataset(
     return dataclasses.replace(bundle, key=cache_key)
 
 
-def load_dataset_for(spec: Any, name: str, **kwargs: Any) -> DataBundle:
+def load_dataset_for(spec: Any, name: str | None = None, **kwargs: Any) -> DataBundle:
     """Load ``name`` for a model spec (anything with ``input_shape``, ``num_classes``, ``task``,
     ``vocab_size`` attributes, e.g. ``autoprec.models.ModelSpec``).
 
-    Keyword arguments are passed to :func:`load_dataset` and override the spec's values.
+    ``name`` None takes the default for the spec's task (:func:`default_dataset`: ``tokens``
+    for models that read token ids). Keyword arguments are passed to :func:`load_dataset` and
+    override the spec's values.
     """
     settings: dict[str, Any] = {
         field: getattr(spec, field, None)
@@ -177,4 +196,6 @@ def load_dataset_for(spec: Any, name: str, **kwargs: Any) -> DataBundle:
     if settings["input_shape"] is None and "input_shape" not in kwargs:
         raise DatasetError(f"{type(spec).__name__} has no input_shape; pass input_shape=...")
     settings.update(kwargs)
+    if name is None:
+        name = default_dataset(settings["task"] or "image-classification")
     return load_dataset(name, **settings)

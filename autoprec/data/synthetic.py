@@ -92,7 +92,7 @@ def load_tokens_bundle(req: DataRequest) -> DataBundle:
     if task not in TOKEN_TASKS:
         raise DatasetError(
             f"{name}: token data is for token-classification or sequence-classification; "
-            f"the model's task is {task!r}"
+            f"the model's task is {task}"
         )
     if req.vocab_size is None:
         raise DatasetError(f"{name}: token data needs vocab_size (the model's vocabulary)")

@@ -29,7 +29,7 @@ from torch.utils.data import Dataset, TensorDataset
 from autoprec.data._base import (
     DataBundle,
     DataRequest,
-    DatasetError,
+    check_image_task,
     image_geometry,
     rng,
     split_indices,
@@ -85,11 +85,7 @@ class _Upsampled(Dataset):
 
 def load_teacher_bundle(req: DataRequest) -> DataBundle:
     """The teacher task shaped for ``req``; see the module docstring."""
-    if req.task not in (None, "image-classification"):
-        raise DatasetError(
-            f"teacher is an image-classification dataset; the model's task is {req.task!r} "
-            "(use 'tokens' for text models)"
-        )
+    check_image_task(req)
     num_classes = req.num_classes or DEFAULT_CLASSES
     channels, height, width = image_geometry("teacher", req.input_shape)
     base = (channels, min(height, BASE_SIZE), min(width, BASE_SIZE))

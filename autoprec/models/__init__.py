@@ -11,7 +11,15 @@ Example:
 
 from __future__ import annotations
 
-from autoprec.models.registry import list_models, load_model
+from autoprec.models.registry import list_models, load_model, model_task
 from autoprec.models.spec import ModelError, ModelSpec, Task, UnknownModelError
 
-__all__ = ["ModelError", "ModelSpec", "Task", "UnknownModelError", "list_models", "load_model"]
+__all__ = [
+    "ModelError",
+    "ModelSpec",
+    "Task",
+    "UnknownModelError",
+    "list_models",
+    "load_model",
+    "model_task",
+]

@@ -111,6 +111,21 @@ def _build(
     raise _unknown(name)
 
 
+def model_task(name: str) -> str | None:
+    """The task of zoo model ``name``, known without building it; None for the user's
+    ``"package.module:factory"`` (known once built: ``spec.task``) and for unknown names."""
+    if is_user_path(name):
+        return None
+    key = name.strip().lower()
+    if key in BUILTIN_MODELS:
+        return str(BUILTIN_MODELS[key].task)
+    if key in HF_MODELS:
+        return str(HF_MODELS[key].task)
+    if key in torchvision_names():
+        return Task.IMAGE_CLASSIFICATION.value
+    return None
+
+
 def list_models(family: str | None = None) -> list[dict[str, Any]]:
     """Every model ``load_model`` knows by name (user factories aside), without building any.
 

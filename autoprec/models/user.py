@@ -2,8 +2,14 @@
 
 The module is imported (it must be on ``sys.path``) and ``factory`` called with those of
 ``num_classes``, ``image_size``, ``in_channels`` and ``seq_len`` it accepts (and that were
-given). The factory returns either a :class:`ModelSpec` (used as it is) or an ``nn.Module``,
-which is described by optional attributes:
+given). Importing the module and calling the factory runs the user's code, as ``python -c``
+would: name only code you trust. What can be a factory is checked before it is called: a
+function or method written in Python, an ``nn.Module`` subclass, a ``functools.partial`` of
+one, or an object whose class defines ``__call__`` in Python. Built-in callables (``os.system``,
+``sys.exit``, ``print``), other classes and module instances are refused with one line, and so
+is a factory that exits (``SystemExit``) or returns anything else than an ``nn.Module`` or a
+:class:`ModelSpec`. The factory returns either a :class:`ModelSpec` (used as it is) or an
+``nn.Module``, which is described by optional attributes:
 
 - ``autoprec_input_shape``: one example's shape without the batch; without it,
   ``image_size=S`` gives ``(in_channels or 3, S, S)``;
@@ -23,6 +29,7 @@ Example (``mymodels.py`` on the path):
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import re
@@ -32,6 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoprec._text import excerpt
 from autoprec.models.spec import ModelError, ModelSpec, Task
 
 _PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
@@ -67,7 +75,40 @@ def _resolve(path: str) -> Callable[..., Any]:
         raise ModelError(
             f"model {path!r}: {attr_path!r} is a {type(obj).__name__}, not a callable factory"
         )
+    why = _not_a_factory(obj)
+    if why:
+        raise ModelError(
+            f"model {path!r}: {attr_path!r} is {why}; a model factory is a Python function "
+            f"(or an nn.Module subclass) that returns an nn.Module or a ModelSpec"
+        )
     return obj
+
+
+def _not_a_factory(obj: Any) -> str:
+    """Why the callable ``obj`` cannot be a model factory ("" when it can); see the module
+    docstring for what is accepted."""
+    if isinstance(obj, functools.partial):
+        return _not_a_factory(obj.func)
+    if inspect.isclass(obj):
+        if issubclass(obj, nn.Module):
+            return ""
+        return "a class but not an nn.Module subclass"
+    if inspect.isfunction(obj) or (inspect.ismethod(obj) and inspect.isfunction(obj.__func__)):
+        return ""
+    if isinstance(obj, nn.Module):
+        return f"an nn.Module instance ({type(obj).__name__}); name a function that builds it"
+    if inspect.isbuiltin(obj):  # os.system, sys.exit, print
+        return "a built-in function"
+    if inspect.isroutine(obj):  # a C method or slot wrapper
+        return f"a built-in {type(obj).__name__}"
+    if inspect.isfunction(inspect.getattr_static(type(obj), "__call__", None)):
+        return ""
+    return f"a {type(obj).__name__} implemented outside Python"
+
+
+def _returned(made: Any) -> str:
+    """How an error names what a factory returned: its type and a short excerpt."""
+    return "None" if made is None else f"a {type(made).__name__} ({excerpt(made)})"
 
 
 def _accepted(factory: Callable[..., Any], offered: dict[str, Any]) -> dict[str, Any]:
@@ -130,6 +171,10 @@ def build_user(
     kwargs = _accepted(factory, offered)
     try:
         made = factory(**kwargs)
+    except SystemExit as err:  # a factory that ends the process would end it silently
+        raise ModelError(
+            f"model {path!r}: the factory called exit({err.code!r}) instead of returning a model"
+        ) from None
     except Exception as err:
         raise ModelError(f"model {path!r}: the factory raised {type(err).__name__}: {err}") from err
     if isinstance(made, ModelSpec):
@@ -138,7 +183,7 @@ def build_user(
         return made
     if not isinstance(made, nn.Module):
         raise ModelError(
-            f"model {path!r}: the factory returned a {type(made).__name__}; expected an "
+            f"model {path!r}: the factory returned {_returned(made)}; expected an "
             f"nn.Module or an autoprec ModelSpec"
         )
     shape = getattr(made, "autoprec_input_shape", None)

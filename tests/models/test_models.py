@@ -311,7 +311,10 @@ def test_user_factory_returning_a_spec_and_token_models(user_module):
         ("no_such_module_xyz:make", "cannot import module 'no_such_module_xyz'"),
         ("{m}:missing", "has no attribute 'missing'"),
         ("{m}:NOT_CALLABLE", "not a callable factory"),
-        ("{m}:not_a_model", "returned a str; expected an nn.Module or an autoprec ModelSpec"),
+        (
+            "{m}:not_a_model",
+            "returned a str ('resnet'); expected an nn.Module or an autoprec ModelSpec",
+        ),
         ("{m}:broken", "the factory raised RuntimeError: no GPU here"),
         ("{m}:plain", "input shape is unknown; pass image_size"),
         ("{m}:", "expected 'package.module:factory'"),
