@@ -6,6 +6,15 @@ applied with :func:`~autoprec.runtime.apply_policy` and its loss scaling
 validation at every epoch end, atomic checkpoints that a later run resumes from, and DDP when
 launched by ``torchrun``.
 
+A checkpoint holds everything the next step depends on: the weights and buffers, the optimizer's
+state, the loss scaler's (scale, growth tracker, counters), every process's RNG states, the step
+(which fixes the data order) and the history so far. The runtime itself carries no state from
+step to step that the result depends on: fp8 layers scale by the current amax (torchao's
+tensorwise dynamic recipe, no amax history), and the overflow guard only counts (training runs
+it without promotions; the count is checkpointed). A run stopped at a step boundary (``stop``,
+which ``autoprec train`` sets on SIGTERM or Ctrl-C) writes a checkpoint there and raises
+:class:`TrainInterrupted`.
+
 Data order depends only on ``seed`` and the epoch (a seeded ``DistributedSampler`` per epoch,
 also for one process), so a run resumed from a checkpoint ends with the same weights as one that
 was never interrupted. One optimizer step uses ``batch_size * grad_accum`` examples per process;
@@ -49,6 +58,7 @@ __all__ = [
     "PolicyMismatchError",
     "TrainConfigError",
     "TrainDivergedError",
+    "TrainInterrupted",
     "TrainResult",
     "dist_env",
     "train",
@@ -61,6 +71,7 @@ VAL_BATCH = 256
 _RESUME_KEYS = ("batch_size", "grad_accum", "world_size", "seed", "lr", "momentum")
 
 LogFn = Callable[[int, dict[str, float]], None]
+StopFn = Callable[[], bool]
 
 
 class PolicyMismatchError(ValueError):
@@ -79,6 +90,23 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be resumed by this run; the message says why and what to do."""
 
 
+class TrainInterrupted(KeyboardInterrupt):
+    """Training stopped at a step boundary because ``stop()`` asked it to.
+
+    A ``KeyboardInterrupt``, so that code catching ``Exception`` does not swallow it.
+
+    Attributes:
+        step: optimizer steps done in total (the checkpoint's step).
+        total: the steps the run was to reach.
+        checkpoint: the checkpoint that holds ``step`` (written at the stop), or None without
+            ``checkpoint_dir``.
+    """
+
+    def __init__(self, step: int, total: int, checkpoint: Path | None) -> None:
+        super().__init__(f"interrupted at step {step} of {total}")
+        self.step, self.total, self.checkpoint = step, total, checkpoint
+
+
 @dataclass(frozen=True)
 class TrainResult:
     """What :func:`train` did.
@@ -92,7 +120,7 @@ class TrainResult:
         val_loss: validation loss after the last step.
         val_accuracy: validation accuracy after the last step.
         val_history: ``{"step", "epoch", "val_loss", "val_accuracy"}`` of every validation
-            this process ran (epoch ends and the end).
+            (epoch ends and the end), resumed runs included.
         overflows: values that overflowed the layers' formats (summed over processes; the
             count of the run that wrote a resumed checkpoint included).
         skipped_steps: optimizer steps the loss scaler skipped (inf/NaN gradients).
@@ -153,6 +181,7 @@ def train(
     mode: str = "auto",
     seed: int = 0,
     log: LogFn | None = None,
+    stop: StopFn | None = None,
 ) -> TrainResult:
     """Train ``spec.module`` on ``data`` with ``policy`` applied; the module is trained in place.
 
@@ -179,6 +208,9 @@ def train(
         log: called on rank 0 as ``log(step, metrics)`` after every optimizer step
             (``train_loss``, ``loss_scale``, ``epoch``) and after every validation
             (``val_loss``, ``val_accuracy``, ``epoch``).
+        stop: polled before every optimizer step; once it returns True (on any process: under
+            DDP the answers are reduced, one tiny collective per step), the run writes a
+            checkpoint (with ``checkpoint_dir``) and raises :class:`TrainInterrupted`.
 
     Returns:
         A :class:`TrainResult`; the policy is removed from ``spec.module`` again.
@@ -189,6 +221,7 @@ def train(
         TrainConfigError: inconsistent settings.
         CheckpointError: ``checkpoint_dir`` holds a checkpoint of another run.
         TrainDivergedError: the loss became inf/NaN and no loss scaler skipped the step.
+        TrainInterrupted: ``stop()`` returned True before the last step.
     """
     start = time.perf_counter()
     _check_settings(steps, epochs, batch_size, lr, momentum, grad_accum, checkpoint_every)
@@ -236,6 +269,7 @@ def train(
         path = Path(checkpoint_dir) / CHECKPOINT_NAME if checkpoint_dir is not None else None
         ckpt = _load_checkpoint(path, config, rank, world)
         step, history, prior_overflows, resumed_from = 0, [], 0, None
+        val_history: list[dict[str, float]] = []
         if ckpt is not None:
             module.load_state_dict(ckpt["model"])
             optimizer.load_state_dict(ckpt["optimizer"])
@@ -244,7 +278,9 @@ def train(
             step = resumed_from = int(ckpt["step"])
             history = [float(v) for v in ckpt["train_loss"]]
             prior_overflows = int(ckpt["overflows"])
+            val_history = [dict(v) for v in ckpt.get("val_history", [])]
             _set_rng(ckpt["rng"][rank], dev)
+        saved_at = resumed_from  # the step the file at `path` holds
 
         model: nn.Module = module
         if world > 1:
@@ -252,8 +288,13 @@ def train(
             model = nn.parallel.DistributedDataParallel(module, device_ids=ids)
         handle = apply_policy(module, policy, mode=run_mode)
         loop = _Loop(spec, data, module, model, optimizer, scaler, dev, rank, world, log)
-        val_history: list[dict[str, float]] = []
         val = None
+
+        def save() -> None:
+            overflows = prior_overflows + _sum_over_ranks(handle.totals()["overflows"], dev)
+            _save_checkpoint(
+                path, module, optimizer, scaler, step, config, history, val_history, overflows, dev
+            )
 
         while step < total:
             epoch = step // steps_per_epoch
@@ -265,6 +306,10 @@ def train(
                 for i in range(first, steps_per_epoch * grad_accum)
             ]
             for group_start in range(0, len(micro), grad_accum):
+                if _any_rank(stop, dev):  # a step boundary: the state is whole
+                    if path is not None and saved_at != step:
+                        save()
+                    raise TrainInterrupted(step, total, path)
                 loss = loop.step(dataset, micro[group_start : group_start + grad_accum])
                 step += 1
                 history.append(loss)
@@ -291,10 +336,8 @@ def train(
                     loop.emit(step, {k: v for k, v in record.items() if k != "step"})
                 due = checkpoint_every is not None and step % checkpoint_every == 0
                 if path is not None and (epoch_end or step == total or due):
-                    overflows = prior_overflows + _sum_over_ranks(handle.totals()["overflows"], dev)
-                    _save_checkpoint(
-                        path, module, optimizer, scaler, step, config, history, overflows, dev
-                    )
+                    save()
+                    saved_at = step
                 if step == total:
                     break
 
@@ -418,6 +461,18 @@ def _batch(dataset: Dataset, idx: list[int]) -> tuple[Tensor, Tensor]:
     return x, y
 
 
+def _any_rank(stop: StopFn | None, dev: torch.device) -> bool:
+    """``stop()``, true on every process once it is true on one (a collective under DDP)."""
+    if stop is None:
+        return False
+    flag = bool(stop())
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        t = torch.tensor([int(flag)], dtype=torch.int64, device=dev)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        flag = bool(t.item())
+    return flag
+
+
 def _sum_over_ranks(value: int, dev: torch.device) -> int:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return value
@@ -520,6 +575,7 @@ def _save_checkpoint(
     step: int,
     config: dict[str, Any],
     history: list[float],
+    val_history: list[dict[str, float]],
     overflows: int,
     dev: torch.device,
 ) -> None:
@@ -538,6 +594,7 @@ def _save_checkpoint(
         "scaler": scaler.state_dict(),
         "rng": [{k: (v.cpu() if v is not None else None) for k, v in r.items()} for r in rng],
         "train_loss": list(history),
+        "val_history": [dict(v) for v in val_history],
         "overflows": overflows,
         "config": config,
     }

@@ -1,5 +1,9 @@
 """``autoprec train``: train a model with a precision policy (under ``torchrun`` for DDP).
 
+SIGTERM and Ctrl-C stop the training at the next step boundary: it writes a checkpoint there
+(with ``--checkpoint-dir``), ends the MLflow run as KILLED, prints one line and exits 130; the
+same command resumes. A second signal stops at once (the last checkpoint written is kept).
+
 The run is logged to MLflow unless ``--no-mlflow`` (or ``AUTOPREC_NO_MLFLOW=1``): one run per
 training in experiment ``autoprec/<model>`` (tag ``autoprec.kind=train``) with the settings as
 params, the policy file as an artifact, ``train_loss`` and ``loss_scale`` per step,
@@ -96,93 +100,108 @@ def train(
     no_mlflow: bool,
     tracking_uri: str | None,
     experiment: str | None,
-) -> None:
+) -> int:
     """Train a model with a precision policy applied; prints validation every epoch."""
     if steps is not None and epochs is not None:
         raise click.UsageError("give --steps or --epochs, not both")
     import torch
 
     import autoprec
+    from autoprec.cli.interrupt import stop_at_boundary, terminate_as_interrupt
     from autoprec.data import load_dataset_for
     from autoprec.models import load_model
     from autoprec.policy_io import load_policy
     from autoprec.train import dist_env
     from autoprec.train import train as run
 
-    policy = load_policy(policy_file)
-    torch.manual_seed(seed)  # the same initial weights in every process and every run
-    spec = load_model(model_name, num_classes=num_classes, image_size=image_size)
-    data = load_dataset_for(spec, dataset, root=data_dir, seed=seed)
-    rank, world, _ = dist_env()
-    if rank == 0:
-        length = f"{steps} steps" if steps is not None else f"{epochs or 1} epoch(s)"
-        click.echo(
-            f"training {spec.name} on {data.name} with {policy_file} (default "
-            f"{policy.default.value}, {len(policy.layers)} layer entries): {length}, batch "
-            f"{batch_size} x {grad_accum} accumulation, world size {world}"
-        )
-
-    length_param = {"steps": steps} if steps is not None else {"epochs": epochs or 1}
-    tracking = _TrainTracking(
-        enabled=not no_mlflow and rank == 0,
-        tracking_uri=tracking_uri,
-        experiment=experiment or f"autoprec/{spec.name}",
-        run_name=f"train-{spec.name}-{os.path.splitext(os.path.basename(policy_file))[0]}",
-        tags={"autoprec.kind": "train", "autoprec.model": spec.name},
-        params={
-            "model": spec.name,
-            "dataset": data.name,
-            "policy_file": os.path.abspath(policy_file),
-            "policy_digest": policy.digest(),
-            "policy_default": policy.default.value,
-            "search_run_id": policy.provenance.get("mlflow_run_id", ""),
-            **length_param,
-            "batch_size": batch_size,
-            "lr": lr,
-            "momentum": momentum,
-            "grad_accum": grad_accum,
-            "world_size": world,
-            "mode": mode,
-            "device": device or "auto",
-            "seed": seed,
-            "checkpoint_dir": checkpoint_dir or "",
-            "autoprec_version": autoprec.__version__,
-            "torch_version": torch.__version__,
-        },
-        artifacts=[policy_file],
-    )
-
-    def log(step: int, metrics: dict[str, float]) -> None:
-        tracking.log(step, metrics)
-        if "val_loss" in metrics:
+    with terminate_as_interrupt():  # SIGTERM is Ctrl-C; in training, both wait for a step
+        policy = load_policy(policy_file)
+        torch.manual_seed(seed)  # the same initial weights in every process and every run
+        spec = load_model(model_name, num_classes=num_classes, image_size=image_size)
+        data = load_dataset_for(spec, dataset, root=data_dir, seed=seed)
+        rank, world, _ = dist_env()
+        if rank == 0:
+            length = f"{steps} steps" if steps is not None else f"{epochs or 1} epoch(s)"
             click.echo(
-                f"step {step} (epoch {metrics['epoch']:.2f}): val loss {metrics['val_loss']:.4f}, "
-                f"val accuracy {metrics['val_accuracy']:.2%}"
+                f"training {spec.name} on {data.name} with {policy_file} (default "
+                f"{policy.default.value}, {len(policy.layers)} layer entries): {length}, batch "
+                f"{batch_size} x {grad_accum} accumulation, world size {world}"
             )
 
-    try:
-        result = run(
-            spec,
-            data,
-            policy,
-            steps=steps,
-            epochs=epochs,
-            batch_size=batch_size,
-            lr=lr,
-            momentum=momentum,
-            grad_accum=grad_accum,
-            checkpoint_dir=checkpoint_dir,
-            checkpoint_every=checkpoint_every,
-            device=device,
-            mode=mode,
-            seed=seed,
-            log=log,
+        length_param = {"steps": steps} if steps is not None else {"epochs": epochs or 1}
+        tracking = _TrainTracking(
+            enabled=not no_mlflow and rank == 0,
+            tracking_uri=tracking_uri,
+            experiment=experiment or f"autoprec/{spec.name}",
+            run_name=f"train-{spec.name}-{os.path.splitext(os.path.basename(policy_file))[0]}",
+            tags={"autoprec.kind": "train", "autoprec.model": spec.name},
+            params={
+                "model": spec.name,
+                "dataset": data.name,
+                "policy_file": os.path.abspath(policy_file),
+                "policy_digest": policy.digest(),
+                "policy_default": policy.default.value,
+                "search_run_id": policy.provenance.get("mlflow_run_id", ""),
+                **length_param,
+                "batch_size": batch_size,
+                "lr": lr,
+                "momentum": momentum,
+                "grad_accum": grad_accum,
+                "world_size": world,
+                "mode": mode,
+                "device": device or "auto",
+                "seed": seed,
+                "checkpoint_dir": checkpoint_dir or "",
+                "autoprec_version": autoprec.__version__,
+                "torch_version": torch.__version__,
+            },
+            artifacts=[policy_file],
         )
-    except BaseException as err:
-        tracking.close("KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED")
-        raise
-    if result.rank != 0:
-        return
+
+        def log(step: int, metrics: dict[str, float]) -> None:
+            tracking.log(step, metrics)
+            if "val_loss" in metrics:
+                click.echo(
+                    f"step {step} (epoch {metrics['epoch']:.2f}): val loss "
+                    f"{metrics['val_loss']:.4f}, val accuracy {metrics['val_accuracy']:.2%}"
+                )
+
+        try:
+            with stop_at_boundary() as stop:  # ... boundary, and a checkpoint there
+                result = run(
+                    spec,
+                    data,
+                    policy,
+                    steps=steps,
+                    epochs=epochs,
+                    batch_size=batch_size,
+                    lr=lr,
+                    momentum=momentum,
+                    grad_accum=grad_accum,
+                    checkpoint_dir=checkpoint_dir,
+                    checkpoint_every=checkpoint_every,
+                    device=device,
+                    mode=mode,
+                    seed=seed,
+                    log=log,
+                    stop=stop,
+                )
+            if result.rank == 0:
+                _report(result)
+                tracking.finish(result)
+        except KeyboardInterrupt as err:  # TrainInterrupted, or a second signal
+            tracking.close("KILLED")
+            if rank == 0:
+                click.echo(f"autoprec: {_interrupted(err, checkpoint_dir)}", err=True)
+            return 130
+        except BaseException:
+            tracking.close("FAILED")
+            raise
+    return 0
+
+
+def _report(result: Any) -> None:
+    """The lines a finished training prints."""
     resumed = f", resumed from step {result.resumed_from}" if result.resumed_from else ""
     last = f"{result.train_loss[-1]:.4f}" if result.train_loss else "-"
     click.echo(
@@ -195,7 +214,21 @@ def train(
     )
     if result.checkpoint is not None:
         click.echo(f"checkpoint: {result.checkpoint}")
-    tracking.finish(result)
+
+
+def _interrupted(err: KeyboardInterrupt, checkpoint_dir: str | None) -> str:
+    """The one line an interrupted training prints."""
+    from autoprec.train import CHECKPOINT_NAME, TrainInterrupted
+
+    if isinstance(err, TrainInterrupted):
+        where = f"interrupted at step {err.step} of {err.total}"
+        if err.checkpoint is None:
+            return f"{where}; nothing saved (give --checkpoint-dir to be able to resume)"
+        return f"{where}; checkpoint {err.checkpoint}: run the same command to resume"
+    path = os.path.join(checkpoint_dir, CHECKPOINT_NAME) if checkpoint_dir else None
+    if path is not None and os.path.exists(path):
+        return f"interrupted; {path} holds the last checkpoint: run the same command to resume"
+    return "interrupted; nothing saved"
 
 
 class _TrainTracking:
