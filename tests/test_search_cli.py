@@ -116,8 +116,9 @@ def _tpe_search(storage: str, study: str) -> list[str]:
 def test_sigterm_exports_then_resume_finishes_the_budget(tmp_path):
     storage = f"sqlite:///{tmp_path / 'study.db'}"
     out = tmp_path / "best.yaml"
-    # long enough trials (click keeps the last --steps) that the signal lands mid-search
-    cmd = [*_tpe_search(storage, "killed"), "--out", str(out), "--steps", "150"]
+    # long enough trials (click keeps the last --steps) that the signal lands mid-search even
+    # on a loaded machine, where reading the study back here can take seconds
+    cmd = [*_tpe_search(storage, "killed"), "--out", str(out), "--steps", "500"]
     env = {**os.environ}
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 240
