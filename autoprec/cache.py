@@ -3,33 +3,170 @@
 Sensitivity tables, warm starts, the evaluation store and calibrations live under
 ``$AUTOPREC_CACHE_DIR`` (default ``~/.cache/autoprec``). Files are written to a temporary file
 in the same folder and moved into place, so an interrupted write never leaves a broken file.
+
+A cache entry only saves time, so a fault in one never stops the work: an entry that cannot
+be read (truncated, junk, from another program) is discarded and recomputed
+(:func:`read_entry`), one that cannot be written (a full disk) is skipped
+(:func:`write_entry`), each with a one-line :class:`CacheNote` naming the file. The command
+line prints these notes as ``autoprec: note: ...``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import secrets
+import sqlite3
 import tempfile
+import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
+
+T = TypeVar("T")
+REASON_CHARS = 120  # at most this much of an error's text in a note
+
+
+class CacheDirError(ValueError):
+    """``$AUTOPREC_CACHE_DIR`` (or ``~/.cache/autoprec``) exists and is not a folder."""
+
+
+class CacheNote(UserWarning):
+    """A cache entry was damaged and is recomputed, or a cache could not be written."""
 
 
 def cache_dir() -> Path:
-    """``$AUTOPREC_CACHE_DIR``, else ``~/.cache/autoprec``."""
+    """``$AUTOPREC_CACHE_DIR``, else ``~/.cache/autoprec``.
+
+    Raises:
+        CacheDirError: the path exists and is not a folder.
+    """
     root = os.environ.get("AUTOPREC_CACHE_DIR")
-    return Path(root) if root else Path.home() / ".cache" / "autoprec"
+    path = Path(root) if root else Path.home() / ".cache" / "autoprec"
+    if path.exists() and not path.is_dir():
+        name = "AUTOPREC_CACHE_DIR" if root else "the cache folder"
+        raise CacheDirError(
+            f"{name} {path} is a file, not a folder; point AUTOPREC_CACHE_DIR at a folder "
+            "(or move the file away)"
+        )
+    return path
+
+
+def reason(exc: BaseException) -> str:
+    """An error in a few words: its first line, shortened, else its type."""
+    lines = str(exc).strip().splitlines()
+    text = getattr(exc, "strerror", None) or (lines[0] if lines else "") or type(exc).__name__
+    if isinstance(exc, KeyError):  # its text is the bare key
+        text = f"no {text} in it"
+    return text if len(text) <= REASON_CHARS else text[: REASON_CHARS - 3] + "..."
+
+
+_FAILED: set[str] = set()  # reasons of failed cache writes already noted (in this process)
+
+
+def note(message: str) -> None:
+    """Say ``message`` (one line) as a :class:`CacheNote`."""
+    warnings.warn(message, CacheNote, stacklevel=3)
+
+
+def note_failed_write(what: str, path: Path, exc: BaseException) -> None:
+    """Note that the cache ``path`` cannot be written and the work goes on without it; once
+    per reason, so that a full disk costs one line, not one per cache."""
+    why = reason(exc)
+    full = getattr(exc, "errno", None) == errno.ENOSPC or (
+        getattr(exc, "sqlite_errorcode", None) == getattr(sqlite3, "SQLITE_FULL", 13)
+    )
+    if (key := "full" if full else why) not in _FAILED:
+        _FAILED.add(key)
+        note(
+            f"cannot write {what} {path} ({why}); going on without caching (other cache "
+            "files that fail alike are not reported)"
+        )
+
+
+def discard(path: Path, why: str, what: str = "cache entry") -> None:
+    """Delete the damaged cache file ``path`` and say so; the caller recomputes it."""
+    with contextlib.suppress(OSError):
+        path.unlink()
+    note(f"{what} {path} is damaged ({why}); discarded it, recomputing")
+
+
+def read_entry(path: Path, read: Callable[[Path], T], what: str = "cache entry") -> T | None:
+    """``read(path)``; None when the file is missing, or damaged (then discarded, with a note).
+
+    Any error of ``read`` counts as damage: the entry is only a saved result, computing it
+    again is always correct.
+    """
+    if not path.exists():
+        return None
+    try:
+        return read(path)
+    except Exception as exc:  # noqa: BLE001 - whatever is wrong with it, it is recomputed
+        discard(path, reason(exc), what)
+        return None
+
+
+def write_entry(
+    path: Path, write: Callable[[IO[Any]], None], binary: bool = False, what: str = "cache entry"
+) -> bool:
+    """:func:`write_atomic`, but a failure (a full disk, a read-only folder) is a note, not an
+    error: the work goes on without this entry. Returns whether it was written."""
+    try:
+        write_atomic(path, write, binary)
+    except OSError as exc:
+        note_failed_write(what, path, exc)
+        return False
+    return True
 
 
 def write_atomic(path: Path, write: Callable[[IO[Any]], None], binary: bool = False) -> None:
-    """Call ``write(file)`` on a temporary file next to ``path``, then replace ``path`` with it."""
+    """Call ``write(file)`` on a temporary file next to ``path``, then replace ``path`` with it.
+
+    The new file keeps the mode of the one it replaces (a new one gets the umask's), text is
+    UTF-8, and the rename is synced, so a crash leaves the old file or the new one.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    tmp = str(path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp")
     try:
-        with os.fdopen(fd, "wb" if binary else "w") as fh:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies
+        opened = os.fdopen(fd, "wb") if binary else open(fd, "w", encoding="utf-8")
+        with opened as fh:
+            if path.exists():
+                os.fchmod(fh.fileno(), path.stat().st_mode & 0o777)
             write(fh)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(exc, OSError) and exc.errno is not None and exc.filename in (None, tmp):
+            exc.filename = str(path)  # name the file the caller asked for, not ours
         raise
+    with contextlib.suppress(OSError):  # make the rename itself durable (POSIX)
+        dirfd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dirfd)
+        finally:
+            os.close(dirfd)
+
+
+def keep_text(name: str, text: str) -> Path | None:
+    """Save ``text`` where it can be recovered when its real destination failed: a new file
+    ``recovered/<stem>-<time><suffix>`` in the cache folder, else in the temporary folder.
+    Returns its path, or None when neither can be written."""
+    stem, suffix = Path(name).stem, Path(name).suffix
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    folders: list[Callable[[], Path]] = [
+        lambda: cache_dir() / "recovered",
+        lambda: Path(tempfile.gettempdir()),
+    ]
+    for folder in folders:
+        try:
+            path = folder() / f"{stem}-{stamp}-{os.getpid()}{suffix}"
+            write_atomic(path, lambda fh: fh.write(text))
+        except (OSError, CacheDirError):
+            continue
+        return path
+    return None

@@ -21,16 +21,15 @@ excerpt of the input; a malformed file of any kind (too large, binary, an alias 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
 import yaml
 
 from autoprec._datafile import DataFileError, LineFinder, parse_json, parse_yaml, read_text
+from autoprec.cache import write_atomic
 from autoprec.policy import (
     PATTERN_PREFIX,
     SCHEMA_VERSIONS,
@@ -94,14 +93,8 @@ def format_policy(policy: PrecisionPolicy, fmt: str = "yaml") -> str:
     return yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=1 << 16)
 
 
-def save_policy(policy: PrecisionPolicy, path: str | os.PathLike[str]) -> Path:
-    """Write ``policy`` to ``path`` atomically, as YAML or JSON by the suffix.
-
-    The file is written to a temporary file in the same folder, synced, then renamed over
-    ``path``: a crash leaves either the old file or the new one, never half of one.
-
-    Returns:
-        ``path`` as a Path.
+def policy_format(path: str | os.PathLike[str]) -> str:
+    """``"yaml"`` or ``"json"``, the format :func:`save_policy` writes ``path`` in.
 
     Raises:
         PolicyError: the suffix is neither ``.yaml``, ``.yml`` nor ``.json``.
@@ -109,41 +102,32 @@ def save_policy(policy: PrecisionPolicy, path: str | os.PathLike[str]) -> Path:
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix in YAML_SUFFIXES:
-        text = format_policy(policy, "yaml")
-    elif suffix in JSON_SUFFIXES:
-        text = format_policy(policy, "json")
-    else:
-        raise PolicyError(
-            f"{path}: unknown policy file suffix {path.suffix!r}; use .yaml, .yml or .json"
-        )
-    _atomic_write(path, text)
-    return path
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    umask = os.umask(0)
-    os.umask(umask)
-    mode = path.stat().st_mode & 0o777 if path.exists() else 0o666 & ~umask
-    tmp = tempfile.NamedTemporaryFile(
-        "w", encoding="utf-8", dir=path.parent, prefix=f".{path.name}.", suffix=".tmp", delete=False
+        return "yaml"
+    if suffix in JSON_SUFFIXES:
+        return "json"
+    raise PolicyError(
+        f"{path}: unknown policy file suffix {path.suffix!r}; use .yaml, .yml or .json"
     )
-    try:
-        with tmp:
-            tmp.write(text)
-            tmp.flush()
-            os.fchmod(tmp.fileno(), mode)
-            os.fsync(tmp.fileno())
-        os.replace(tmp.name, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp.name)
-        raise
-    with contextlib.suppress(OSError):  # make the rename itself durable (POSIX)
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+
+
+def save_policy(policy: PrecisionPolicy, path: str | os.PathLike[str]) -> Path:
+    """Write ``policy`` to ``path`` atomically, as YAML or JSON by the suffix.
+
+    The file is written to a temporary file in the same folder, synced, then renamed over
+    ``path`` (:func:`autoprec.cache.write_atomic`): a crash leaves either the old file or the
+    new one, never half of one.
+
+    Returns:
+        ``path`` as a Path.
+
+    Raises:
+        PolicyError: the suffix is neither ``.yaml``, ``.yml`` nor ``.json``.
+        OSError: the file cannot be written (the old one, if any, is left as it was).
+    """
+    path = Path(path)
+    text = format_policy(policy, policy_format(path))
+    write_atomic(path, lambda fh: fh.write(text))
+    return path
 
 
 def load_policy(path: str | os.PathLike[str]) -> PrecisionPolicy:

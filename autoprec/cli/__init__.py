@@ -2,12 +2,17 @@
 
 Each subcommand is a thin module in this package: parse the options, call the library, print.
 User mistakes (``ValueError``, which autoprec's own errors subclass) become one line on stderr
-and exit status 2; a traceback is a bug.
+and exit status 2; a traceback is a bug. Warnings are one line each too (``autoprec: note:``
+for the cache's notes, :class:`autoprec.cache.CacheNote`; ``autoprec: warning:`` otherwise).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import warnings
+from collections.abc import Iterator
+from typing import Any
 
 import click
 
@@ -44,13 +49,21 @@ def main(argv: list[str] | None = None) -> int:
     # that says nothing to an autoprec user
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     try:
-        status = cli.main(args=argv, prog_name="autoprec", standalone_mode=False)
+        with _one_line_warnings():
+            status = cli.main(args=argv, prog_name="autoprec", standalone_mode=False)
     except click.exceptions.Exit as done:
         return done.exit_code
     except click.ClickException as err:
         err.show()
         return err.exit_code
-    except click.exceptions.Abort:
+    except click.exceptions.Abort as err:
+        if isinstance(err.__cause__, EOFError):  # click's name for it; no command reads stdin
+            click.echo(
+                f"autoprec: error: a file ended early ({err.__cause__ or 'EOFError'}); it is "
+                "empty or truncated",
+                err=True,
+            )
+            return 1
         click.echo("autoprec: aborted", err=True)
         return 130
     except ValueError as err:
@@ -58,3 +71,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # without standalone mode click returns ctx.exit()'s code (and a command's return value)
     return status if isinstance(status, int) else 0
+
+
+@contextlib.contextmanager
+def _one_line_warnings() -> Iterator[None]:
+    """Show each warning as one line on stderr (not Python's two, with a source line)."""
+    from autoprec.cache import CacheNote
+
+    def show(message: Any, category: type[Warning], *_: Any, **__: Any) -> None:
+        kind = "note" if issubclass(category, CacheNote) else "warning"
+        text = " ".join(str(message).split())
+        click.echo(f"autoprec: {kind}: {text}", err=True)
+
+    previous = warnings.showwarning
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = previous

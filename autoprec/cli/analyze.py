@@ -2,12 +2,65 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import click
 
+from autoprec.cli._setup import SMALL_IMAGE
 from autoprec.defaults import DEFAULT_DATASET
+
+#: Without a terminal, a progress line on stderr at most this often (seconds).
+PROGRESS_EVERY_S = 5.0
+
+
+@contextlib.contextmanager
+def _progress(what: str, total: int) -> Iterator[Callable[[], None]]:
+    """A callback to call once per step done: rich's transient bar where stderr is a terminal,
+    else a plain line on stderr now and then at most every :data:`PROGRESS_EVERY_S` seconds
+    (rich draws nothing where it is not a terminal, so a log would show nothing until the end).
+    """
+    from rich.console import Console
+    from rich.progress import Progress
+
+    console = Console(stderr=True)
+    if console.is_terminal:
+        with Progress(console=console, transient=True) as bar:
+            task = bar.add_task(what, total=total)
+            yield lambda: bar.advance(task)
+        return
+    start = last = time.perf_counter()
+    done = 0
+    click.echo(f"{what}: 0/{total}", err=True)
+
+    def advance() -> None:
+        nonlocal done, last
+        done += 1
+        now = time.perf_counter()
+        if now - last >= PROGRESS_EVERY_S or done == total:
+            last = now
+            click.echo(f"{what}: {done}/{total} ({now - start:.0f} s)", err=True)
+
+    yield advance
+
+
+class AnalyzeOutputError(ValueError):
+    """An output file of ``autoprec analyze`` (``--json``, ``--heatmap``) cannot be written."""
+
+
+def _check_outputs(paths: dict[str, str | None]) -> None:
+    """Raise :class:`AnalyzeOutputError` if the folder of an output file cannot be written."""
+    from autoprec.cli._setup import check_writable
+
+    for option, path in paths.items():
+        if path:
+            try:
+                check_writable([Path(path).resolve().parent], AnalyzeOutputError)
+            except AnalyzeOutputError as err:
+                raise AnalyzeOutputError(f"{option} {path}: {err}") from None
 
 
 def _heatmap(table, sens, path: Path) -> None:
@@ -66,7 +119,9 @@ def _coverage(table) -> str:
 @click.command()
 @click.option("--model", "model_name", required=True, help="Model name (see `autoprec models`).")
 @click.option(
-    "--dataset", default=DEFAULT_DATASET, show_default=True, help="Data for the sensitivities."
+    "--dataset",
+    default=None,
+    help=f"Data for the sensitivities (default: {DEFAULT_DATASET}; tokens for token models).",
 )
 @click.option(
     "--data-dir", type=click.Path(), default=None, help="Folder of cifar10/imagefolder data."
@@ -78,9 +133,9 @@ def _coverage(table) -> str:
 @click.option(
     "--image-size",
     type=int,
-    default=32,
-    show_default=True,
-    help="Input size for image models (small keeps CPU analysis quick).",
+    default=None,
+    help=f"Input size for image models (default {SMALL_IMAGE}, which keeps a CPU analysis quick; "
+    "token models take none).",
 )
 @click.option("--batch-size", type=int, default=8, show_default=True)
 @click.option("--batches", type=int, default=4, show_default=True)
@@ -119,8 +174,8 @@ def analyze(
 ) -> None:
     """Analyse a model's tunable layers and grade each one's need for precision, and say which
     precisions each layer can train in natively on the target (and why not)."""
+    _check_outputs({"--json": json_path, "--heatmap": heatmap})  # before any model work
     from rich.console import Console
-    from rich.progress import Progress
     from rich.table import Table
 
     from autoprec.cli._setup import resolve_target
@@ -128,9 +183,12 @@ def analyze(
     from autoprec.graph import analyze as analyze_model
     from autoprec.graph import sensitivity
     from autoprec.hardware.runnability import describe
-    from autoprec.models import load_model
+    from autoprec.models import load_model, model_task
+    from autoprec.precision import Precision, parse_precision
 
     device, _ = resolve_target(target)
+    if image_size is None and model_task(model_name) in (None, "image-classification"):
+        image_size = SMALL_IMAGE  # a user factory (task unknown until built) is offered it too
     spec = load_model(model_name, num_classes=num_classes, image_size=image_size)
     table = analyze_model(spec, batch_size)
     runnable = describe(device, table)
@@ -139,8 +197,9 @@ def analyze(
     if not no_sensitivity:
         data = load_dataset_for(spec, dataset, root=data_dir, download=download, seed=seed)
         formats = [p.strip() for p in precisions.split(",") if p.strip()]
-        with Progress(transient=True) as progress:
-            task = progress.add_task("sensitivity", total=len(table) * len(formats))
+        lowered = [f for f in formats if parse_precision(f) is not Precision.FP32]
+        what = f"sensitivity ({method} on {data.name}, {len(table)} layers x {len(lowered)})"
+        with _progress(what, len(table) * len(lowered)) as advance:
             sens = sensitivity(
                 spec,
                 data,
@@ -149,7 +208,7 @@ def analyze(
                 batch_size=batch_size,
                 method=method,
                 seed=seed,
-                progress=lambda: progress.advance(task),
+                progress=advance,
             )
     console = Console()
     if not console.is_terminal:
@@ -199,7 +258,7 @@ def analyze(
         )
     if sens is not None:
         console.print(
-            f"sensitivity: {sens.method}, {sens.wall_time_s:.1f} s "
+            f"sensitivity: {sens.method} on {data.name}, {sens.wall_time_s:.1f} s "
             "(1-cos: one minus the cosine of the full gradient to fp32's, float64)"
         )
     if json_path:

@@ -48,10 +48,19 @@ class SearchSetupError(ValueError):
     """A search cannot start as asked (bad config, precision, output path, ...)."""
 
 
+class SearchExportError(ValueError):
+    """The search finished but its files cannot be written (the error says where the best
+    policy was kept instead)."""
+
+
 # --- options -------------------------------------------------------------------------------
 @click.command()
 @click.option("--model", "model_name", default=None, help="Model name (see `autoprec models`).")
-@click.option("--dataset", default=DEFAULT_DATASET, show_default=True, help="Data for fine-tuning.")
+@click.option(
+    "--dataset",
+    default=None,
+    help=f"Data for fine-tuning (default: {DEFAULT_DATASET}; tokens for token models).",
+)
 @click.option("--data-dir", type=click.Path(), default=None, help="Folder for cifar/imagefolder.")
 @click.option(
     "--target",
@@ -235,6 +244,7 @@ class _SearchRun:
         self.console = _console()
         self.tracker: Any = None  # the SearchTracker once the search starts
         self.problem: Any = None
+        self.policy_saved = False  # whether the best policy's file is written
 
     # -- phases --
     def main(self) -> int:
@@ -278,11 +288,23 @@ class _SearchRun:
         self.console.print(f"{name}: {self.phases[name]:.1f} s")
 
     def _check_output(self) -> None:
-        """Fail before any work if --out or --pareto-dir cannot be written."""
+        """Fail before any work if an output cannot be written: ``--out`` (its folder and its
+        suffix), ``--pareto-dir``, the cache folder, and a damaged SQLite Optuna storage."""
+        from autoprec.cache import cache_dir
+        from autoprec.policy import PolicyError
+        from autoprec.policy_io import policy_format
+
+        try:
+            policy_format(self.o["out"])
+        except PolicyError as err:
+            raise SearchSetupError(f"--out {err}") from None
         targets = [Path(self.o["out"]).resolve().parent]
         if self.o["pareto_dir"]:
             targets.append(Path(self.o["pareto_dir"]).resolve())
         check_writable(targets, SearchSetupError)
+        cache_dir()  # a file in its place is an error now, not after the warm start
+        if self.o["agent"] in ("tpe", "nsga2"):
+            _check_storage(self.o["storage"] or DEFAULT_STORAGE)
 
     def _setup(self) -> tuple[Any, dict[str, Any]]:
         from autoprec.agents import Problem
@@ -455,27 +477,48 @@ class _SearchRun:
 
     # -- export --
     def _export(self, result: Any, amp: Any, *, interrupted: bool) -> Path | None:
-        """Write the trials, the best policy and the Pareto files; returns the best policy's
-        path (None when no real evaluation finished)."""
-        from autoprec.policy_io import save_policy
+        """Write the best policy, the trials and the Pareto files; returns the best policy's
+        path (None when no real evaluation finished).
+
+        A write that fails (a full disk) never loses the result: the best policy is kept in
+        the cache folder (else the temporary folder, else printed on stdout) and the error
+        says where.
+        """
+        from autoprec.cache import keep_text
+        from autoprec.policy_io import format_policy, policy_format
 
         begin = time.perf_counter()
+        policy = self._best_policy(result, interrupted)
+        out = Path(self.o["out"])
+        try:
+            written = self._write_exports(result, amp, policy, out)
+        except OSError as err:
+            failed = err.filename or out
+            why = err.strerror or str(err)
+            if policy is None or self.policy_saved:
+                kept = f" (the best policy is in {out})" if policy is not None else ""
+                raise SearchExportError(f"cannot write {failed}: {why}{kept}") from None
+            text = format_policy(policy, policy_format(out))
+            kept = keep_text(out.name, text)
+            if kept is None:
+                click.echo(text, nl=False)
+                where = "printed on stdout"
+            else:
+                where = f"kept in {kept}"
+            raise SearchExportError(
+                f"cannot write {failed}: {why}; the best policy is {where}: copy it to {out} "
+                "once there is room"
+            ) from None
+        self.phases["export"] = time.perf_counter() - begin
+        return written
+
+    def _best_policy(self, result: Any, interrupted: bool) -> Any:
+        """The best policy with its provenance; None when no real evaluation finished."""
         o = self.o
-        best = result.best
-        out = Path(o["out"])
-        trials_path = (
-            Path(o["pareto_dir"]) / "trials.csv"
-            if o["pareto_dir"]
-            else out.with_name(out.stem + ".trials.csv")
-        )
-        _write_csv(trials_path, result.summary_rows(real_only=False))
-        if best is None:
-            self.console.print("no real evaluation finished; no policy written")
+        if result.best is None:
             return None
-        problem_reward = best.reward
-        amp_reward = None if amp is None else self._reward(amp)
         policy = result.best_policy(self.spec.module)
-        policy = policy.replace(
+        return policy.replace(
             provenance={
                 **dict(policy.provenance),
                 "agent": o["agent"],
@@ -486,7 +529,27 @@ class _SearchRun:
                 **self._run_provenance(),
             }
         )
+
+    def _write_exports(self, result: Any, amp: Any, policy: Any, out: Path) -> Path | None:
+        """The files of :meth:`_export`, the best policy first (the one that matters most)."""
+        from autoprec.policy_io import save_policy
+
+        o = self.o
+        best = result.best
+        trials_path = (
+            Path(o["pareto_dir"]) / "trials.csv"
+            if o["pareto_dir"]
+            else out.with_name(out.stem + ".trials.csv")
+        )
+        if policy is None:
+            _write_csv(trials_path, result.summary_rows(real_only=False))
+            self.console.print("no real evaluation finished; no policy written")
+            return None
         save_policy(policy, out)
+        self.policy_saved = True
+        _write_csv(trials_path, result.summary_rows(real_only=False))
+        problem_reward = best.reward
+        amp_reward = None if amp is None else self._reward(amp)
         m = best.metrics
         self.console.print(
             f"best policy -> {out}: reward {problem_reward:.3f}, speedup {m.speedup:.2f}x, "
@@ -527,7 +590,6 @@ class _SearchRun:
                 rows.append({"file": path.name, **_trial_row(trial)})
             _write_csv(folder / "pareto.csv", rows)
             self.console.print(f"{len(rows)} Pareto policies -> {folder}")
-        self.phases["export"] = time.perf_counter() - begin
         return out
 
     def _run_provenance(self) -> dict[str, str]:
@@ -574,6 +636,40 @@ def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
 
 def _safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+
+
+def _check_storage(url: str) -> None:
+    """Refuse a SQLite Optuna storage file that is not a sound database. It holds the user's
+    study, not a cache, so it is never replaced: the error says how to start over."""
+    if not url.startswith("sqlite:"):
+        return
+    import sqlite3
+
+    from sqlalchemy.engine import make_url
+
+    try:
+        database = make_url(url).database
+    except Exception:  # noqa: BLE001 - a malformed URL: the agent reports it
+        return
+    if not database or database == ":memory:":
+        return
+    path = Path(database)
+    if not path.is_file() or path.stat().st_size == 0:
+        return  # a new study
+    try:
+        db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=30.0)
+        try:
+            rows = db.execute("PRAGMA quick_check").fetchall()
+        finally:
+            db.close()
+        problem = None if rows == [("ok",)] else excerpt(rows[0][0] if rows else "no answer")
+    except sqlite3.Error as err:
+        problem = str(err)
+    if problem is not None:
+        raise SearchSetupError(
+            f"the Optuna storage {path} is damaged ({problem}): delete or move it to start the "
+            "search over, or choose another file with --storage sqlite:///<new>.db"
+        )
 
 
 def _fresh_study_name(storage: str, name: str) -> str:

@@ -1,4 +1,8 @@
-"""On-disk caches of the evaluator: warm-start weights (.pt) and evaluations (SQLite)."""
+"""On-disk caches of the evaluator: warm-start weights (.pt) and evaluations (SQLite).
+
+Both are caches (:mod:`autoprec.cache`): a damaged file is discarded and recomputed, a disk
+that fails (full, read-only) costs one note and the evaluator goes on without that cache.
+"""
 
 from __future__ import annotations
 
@@ -6,39 +10,87 @@ import contextlib
 import json
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
-from autoprec.cache import write_atomic
+from autoprec.cache import discard, note_failed_write, read_entry, reason, write_entry
+
+T = TypeVar("T")
+# the SQLite result codes of a file that is not (or no longer) a database
+_DAMAGED_CODES = {getattr(sqlite3, "SQLITE_CORRUPT", 11), getattr(sqlite3, "SQLITE_NOTADB", 26)}
+_WHAT_WARM = "warm start"
+_WHAT_STORE = "evaluation store"
 
 
-def save_state_atomic(path: Path, state: dict[str, torch.Tensor]) -> None:
-    """``torch.save`` to a temporary file next to ``path``, then ``os.replace`` it in place."""
-    write_atomic(path, lambda fh: torch.save(state, fh), binary=True)
+class DamagedStateError(ValueError):
+    """A file of weights that does not hold what autoprec saved."""
 
 
-def load_state(path: Path) -> dict[str, torch.Tensor]:
-    """Weights saved by :func:`save_state_atomic`, on the CPU."""
-    return torch.load(path, map_location="cpu", weights_only=True)
+def save_state_atomic(path: Path, state: dict[str, torch.Tensor]) -> bool:
+    """``torch.save`` to a temporary file next to ``path``, then ``os.replace`` it in place.
+
+    A failure to write (a full disk) is a note: the caller keeps ``state`` in memory.
+    Returns whether the file was written.
+    """
+    return write_entry(path, lambda fh: torch.save(state, fh), binary=True, what=_WHAT_WARM)
+
+
+def load_state(path: Path) -> dict[str, torch.Tensor] | None:
+    """Weights saved by :func:`save_state_atomic`, on the CPU; None when the file is missing
+    or damaged (then it is discarded, with a note)."""
+    return read_entry(path, _read_state, _WHAT_WARM)
+
+
+def _read_state(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch's messages suggest weights_only=False: not for a cache
+        raise DamagedStateError(
+            f"not a weights file saved by autoprec: {type(exc).__name__}"
+        ) from None
+    if not isinstance(state, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
+    ):
+        raise DamagedStateError(f"holds a {type(state).__name__}, not a dict of tensors")
+    return state
+
+
+def _create(db: sqlite3.Connection) -> None:
+    db.execute(
+        "CREATE TABLE IF NOT EXISTS evaluations "
+        "(key TEXT PRIMARY KEY, metrics TEXT NOT NULL, created REAL NOT NULL)"
+    )
+
+
+def _damaged(exc: sqlite3.Error) -> bool:
+    """Whether ``exc`` says the file is not a readable database (rather than busy or full)."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code is not None:
+        return code in _DAMAGED_CODES
+    text = str(exc)
+    return "not a database" in text or "malformed" in text
 
 
 class EvaluationStore:
     """Metrics by key in one SQLite table (``key TEXT PRIMARY KEY, metrics JSON, created``).
 
-    A connection per call, so that several processes (search workers) can share the file.
+    A connection per call, so that several processes (search workers) can share the file. A
+    damaged file is discarded and started again; any other failure of the database (a full
+    disk, a read-only folder) turns the store off for this process with a note: ``get``
+    finds nothing and ``put`` keeps nothing, and the evaluations are simply run.
     """
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self._connect() as db:
-            db.execute(
-                "CREATE TABLE IF NOT EXISTS evaluations "
-                "(key TEXT PRIMARY KEY, metrics TEXT NOT NULL, created REAL NOT NULL)"
-            )
+        self.enabled = True
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            self._off(exc)
+        self._call(_create)
 
     @contextlib.contextmanager
     def _connect(self) -> Iterator[sqlite3.Connection]:
@@ -49,20 +101,56 @@ class EvaluationStore:
         finally:
             db.close()
 
+    def _call(self, op: Callable[[sqlite3.Connection], T]) -> T | None:
+        """``op`` on a connection; None when the store is (or now turns) off."""
+        for attempt in range(2):
+            if not self.enabled:
+                return None
+            try:
+                with self._connect() as db:
+                    if attempt:  # a new file in place of a damaged one
+                        _create(db)
+                    return op(db)
+            except sqlite3.Error as exc:
+                if attempt == 0 and _damaged(exc):
+                    for side in ("-journal", "-wal", "-shm"):  # would be replayed on a new file
+                        with contextlib.suppress(OSError):
+                            Path(f"{self.path}{side}").unlink()
+                    discard(self.path, reason(exc), _WHAT_STORE)
+                    continue
+                if attempt == 0 and "no such table" in str(exc):
+                    continue  # another worker has just replaced a damaged file
+                self._off(exc)
+            except OSError as exc:
+                self._off(exc)
+        return None
+
+    def _off(self, exc: BaseException) -> None:
+        if self.enabled:
+            self.enabled = False
+            note_failed_write(_WHAT_STORE, self.path, exc)
+
     def get(self, key: str) -> dict[str, Any] | None:
-        """The stored metrics dict, or None."""
-        with self._connect() as db:
-            row = db.execute("SELECT metrics FROM evaluations WHERE key = ?", (key,)).fetchone()
-        return None if row is None else json.loads(row[0])
+        """The stored metrics dict, or None (also for a row that is not valid JSON)."""
+        query = "SELECT metrics FROM evaluations WHERE key = ?"
+        row = self._call(lambda db: db.execute(query, (key,)).fetchone())
+        if row is None:
+            return None
+        try:
+            return json.loads(row[0])
+        except (TypeError, ValueError):
+            return None  # recomputed, and replaced by put
 
     def put(self, key: str, metrics: dict[str, Any]) -> None:
         """Store (or replace) the metrics dict under ``key``."""
-        with self._connect() as db:
-            db.execute(
+        text = json.dumps(metrics, sort_keys=True)
+        self._call(
+            lambda db: db.execute(
                 "INSERT OR REPLACE INTO evaluations (key, metrics, created) VALUES (?, ?, ?)",
-                (key, json.dumps(metrics, sort_keys=True), time.time()),
+                (key, text, time.time()),
             )
+        )
 
     def __len__(self) -> int:
-        with self._connect() as db:
-            return int(db.execute("SELECT COUNT(*) FROM evaluations").fetchone()[0])
+        count = self._call(lambda db: db.execute("SELECT COUNT(*) FROM evaluations").fetchone())
+        return 0 if count is None else int(count[0])

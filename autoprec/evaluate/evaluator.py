@@ -399,9 +399,10 @@ class Evaluator:
         if self._warm_state is not None:
             return self._warm_state
         path = self.warm_start_path
-        if path.exists():
-            self._warm_state = load_state(path)
-            return self._warm_state
+        state = load_state(path)  # None: missing, or damaged and discarded
+        if state is not None:
+            self._warm_state = state
+            return state
         torch.manual_seed(self.seed)
         model = copy.deepcopy(self.spec.module).cpu()
         model.train()
@@ -412,7 +413,7 @@ class Evaluator:
             self.spec.loss(model(x), y).backward()
             opt.step()
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        save_state_atomic(path, state)
+        save_state_atomic(path, state)  # a full disk: a note, the state is kept in memory
         self.warm_start_trained = True
         self._warm_state = state
         return state

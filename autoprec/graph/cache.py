@@ -13,8 +13,8 @@ JSON file named by a digest of its key. There are two kinds of key:
   cached table alone.
 
 Both carry :data:`~autoprec.graph.table.TABLE_VERSION`. An entry whose stored key differs from
-the one asked for, that is not valid JSON or does not describe a table counts as missing: it is
-recomputed and replaced.
+the one asked for counts as missing: it is recomputed and replaced; one that is not valid JSON
+or does not describe a table is discarded with a one-line note, and recomputed.
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from autoprec.cache import cache_dir, write_atomic
+from autoprec.cache import cache_dir
+from autoprec.cache import read_entry as cached
+from autoprec.cache import write_entry as store
 from autoprec.graph.table import TABLE_VERSION, LayerTable
 
 _ROOT = Path(__file__).resolve().parent.parent  # the autoprec package
@@ -44,20 +46,23 @@ def entry_path(key: list[Any]) -> Path:
 
 
 def read_entry(key: list[Any]) -> LayerTable | None:
-    """The table stored under ``key``; None when missing, unreadable or stored for another key."""
-    try:
-        doc = json.loads(entry_path(key).read_text())
+    """The table stored under ``key``; None when missing or stored for another key. A damaged
+    entry is discarded with a note (:func:`autoprec.cache.read_entry`)."""
+
+    def read(path: Path) -> LayerTable | None:
+        doc = json.loads(path.read_text())
         if doc["key"] != json.loads(json.dumps(key)):  # compared as JSON: tuples become lists
             return None
         return LayerTable.from_dict(doc["table"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+
+    return cached(entry_path(key), read, "analysis cache entry")
 
 
 def write_entry(key: list[Any], table: LayerTable) -> None:
-    """Store ``table`` under ``key`` (atomically: a reader never sees half a file)."""
+    """Store ``table`` under ``key`` (atomically: a reader never sees half a file; a disk that
+    cannot take it costs a note)."""
     text = json.dumps({"key": key, "table": json.loads(table.to_json())}, indent=1)
-    write_atomic(entry_path(key), lambda fh: fh.write(text))
+    store(entry_path(key), lambda fh: fh.write(text), what="analysis cache entry")
 
 
 @functools.cache

@@ -32,12 +32,13 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from autoprec.cache import cache_dir, write_atomic
+from autoprec.cache import cache_dir, read_entry, write_entry
 from autoprec.kernels import ScaledCast, quantize
 from autoprec.layers import model_fingerprint, tunable_layers
 from autoprec.precision import Precision, parse_precision
@@ -45,6 +46,13 @@ from autoprec.runtime import GuardConfig, apply_policy
 
 METHODS = ("taylor", "sweep")
 DEFAULT_FORMATS = ("fp32", "tf32", "bf16", "fp16", "fp8")
+
+
+def grad_distance(cosine: float) -> float:
+    """``1 - cosine``, never below 0: a float64 cosine of two equal gradients can round to just
+    above 1 (a distance of -6.7e-16), which is no distance at all. NaN stays NaN."""
+    distance = 1.0 - cosine
+    return 0.0 if distance < 0.0 else distance
 
 
 @dataclass(frozen=True)
@@ -64,13 +72,14 @@ class SensitivityTable:
     settings: dict
 
     def distance(self, layer: str, precision: str) -> float:
-        """``1 - grad_cosine`` of one layer at one precision."""
-        return 1.0 - self.grad_cosine[self.layers.index(layer)][self.precisions.index(precision)]
+        """``1 - grad_cosine`` of one layer at one precision (see :func:`grad_distance`)."""
+        cosine = self.grad_cosine[self.layers.index(layer)][self.precisions.index(precision)]
+        return grad_distance(cosine)
 
     def matrix(self, metric: str = "grad_distance") -> list[list[float]]:
         """``grad_distance`` (1 - cosine), ``grad_cosine`` or ``loss_delta``, [layer][precision]."""
         if metric == "grad_distance":
-            return [[1.0 - c for c in row] for row in self.grad_cosine]
+            return [[grad_distance(c) for c in row] for row in self.grad_cosine]
         if metric in ("grad_cosine", "loss_delta"):
             return [list(row) for row in getattr(self, metric)]
         raise ValueError(
@@ -267,6 +276,10 @@ def _taylor(model, spec, x, y, names, precisions, ref_loss, progress):
     return result
 
 
+def _read_table(path: Path) -> SensitivityTable:
+    return SensitivityTable.from_dict(json.loads(path.read_text()))
+
+
 def sensitivity(
     spec: Any,
     data: Any,
@@ -324,8 +337,10 @@ def sensitivity(
         json.dumps([fingerprint, data.key, settings], sort_keys=True).encode()
     ).hexdigest()[:24]
     path = cache_dir() / "sensitivity" / f"{key}.json"
-    if cache and path.exists():
-        return SensitivityTable.from_dict(json.loads(path.read_text()))
+    if cache:  # a damaged entry is discarded with a note, and recomputed
+        table = read_entry(path, _read_table, "sensitivity cache entry")
+        if table is not None:
+            return table
 
     start = time.perf_counter()
     torch.manual_seed(seed)
@@ -359,5 +374,5 @@ def sensitivity(
         settings=settings,
     )
     if cache:
-        write_atomic(path, lambda fh: json.dump(table.to_dict(), fh))
+        write_entry(path, lambda fh: json.dump(table.to_dict(), fh), what="sensitivity cache entry")
     return table

@@ -85,3 +85,16 @@ def test_results_are_cached_on_disk(tmp_path, monkeypatch):
 def test_unknown_method():
     with pytest.raises(ValueError, match="sweep"):
         sensitivity(make_spec(), Data(), method="exact")
+
+
+def test_distance_clamps_rounding_noise_at_zero():
+    """A float64 cosine a hair above 1 is no distance (it printed as -6.7e-16 in analyze)."""
+    one_up = float(np.nextafter(1.0, 2.0))
+    assert 1.0 - one_up < 0 and grade.grad_distance(one_up) == 0.0
+    assert grade.grad_distance(0.75) == 0.25 and np.isnan(grade.grad_distance(float("nan")))
+    table = sensitivity(make_spec(), Data(), ["fp32", "bf16"], batches=1, train_steps=0)
+    noisy = grade.SensitivityTable.from_dict(
+        {**table.to_dict(), "grad_cosine": [[1.0, one_up] for _ in table.layers]}
+    )
+    assert all(noisy.distance(layer, "bf16") == 0.0 for layer in noisy.layers)
+    assert noisy.matrix("grad_distance") == [[0.0, 0.0] for _ in noisy.layers]
