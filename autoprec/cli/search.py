@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import csv
 import math
-import signal
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -33,6 +32,7 @@ from autoprec.cli._setup import (
     check_writable,
     resolve_target,
 )
+from autoprec.cli.interrupt import terminate_as_interrupt
 from autoprec.defaults import DEFAULT_DATASET
 
 AGENT_NAMES = ("ppo", "tpe", "nsga2", "random", "greedy", "baseline")
@@ -258,7 +258,7 @@ class _SearchRun:
     def _main(self) -> int:
         start = time.perf_counter()
         self._check_output()
-        with _terminate_as_interrupt():
+        with terminate_as_interrupt():
             try:
                 problem, agent_kwargs = self._setup()
                 result = self._search(problem, agent_kwargs)
@@ -687,25 +687,6 @@ def _fresh_study_name(storage: str, name: str) -> str:
         n += 1
         candidate = f"{name}-{n}"
     return candidate
-
-
-@contextlib.contextmanager
-def _terminate_as_interrupt() -> Iterator[None]:
-    """SIGTERM behaves like Ctrl-C (KeyboardInterrupt) while the search runs."""
-    if threading_main():
-        previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
-        try:
-            yield
-        finally:
-            signal.signal(signal.SIGTERM, previous)
-    else:
-        yield
-
-
-def threading_main() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()
 
 
 def _console() -> Any:
