@@ -118,6 +118,7 @@ def test_there_are_the_configs_the_issue_asks_for():
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
 def test_config_passes_the_search_commands_validation(path):
     from autoprec.data import list_datasets
+    from autoprec.data.registry import default_dataset
     from autoprec.hardware import get_device
     from autoprec.models import list_models
 
@@ -126,7 +127,8 @@ def test_config_passes_the_search_commands_validation(path):
     assert opts["model_name"] in models
     task = models[opts["model_name"]]["task"]
     datasets = {d["name"]: d for d in list_datasets()}
-    assert task in datasets[opts["dataset"]]["tasks"]
+    dataset = opts["dataset"] or default_dataset(task)  # none named: the task's default
+    assert task in datasets[dataset]["tasks"]
     raw = yaml.safe_load(path.read_text())
     if task == "image-classification":  # the default dataset, whatever it is today
         assert "dataset" not in raw
