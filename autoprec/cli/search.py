@@ -564,8 +564,8 @@ class _SearchRun:
                 why = (
                     "the best policy is blanket AMP itself"
                     if same_map
-                    else f"predicted speedup within {AMP_SAME_SPEEDUP:.0%} of AMP's; the reward "
-                    "margin is the loss delta of short fine-tunes, within their noise"
+                    else f"predicted speedup within {AMP_SAME_SPEEDUP:.0%} of AMP's, the rest "
+                    "is fine-tuning noise"
                 )
                 self.console.print(
                     f"same as AMP ({amp.speedup:.2f}x, loss delta {amp.loss_delta:+.4f}, "
