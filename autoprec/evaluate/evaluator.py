@@ -237,6 +237,9 @@ class Evaluator:
         # random weights must not share a warm start
         initial = _weights_digest(spec.module)
         self._warm_key = _sha([self.fingerprint, initial, data.key, seed, warm])
+        # the cost model reads the device's calibration (if this machine has one): part of the
+        # key, so that a calibration is not answered with speedups priced before it
+        self._cost = CostModel(self.device)
         settings = {
             **warm,
             "finetune": [self.finetune_lr, momentum],
@@ -246,6 +249,7 @@ class Evaluator:
                 self.cost_batch_size,
             ],
             "device": self.device.name,
+            "efficiency": self._cost.efficiency.to_dict(),
             "mode": self.mode,
             "target_mode": target_mode,
             "float8": float8_available(),  # what runs natively (the runnability table)
@@ -261,7 +265,6 @@ class Evaluator:
         self._amp_runs: dict[str, _Run] = {}
         self._surrogate: Surrogate | None = None
         self.surrogate_pairs: dict[str, tuple[dict[str, Precision], float]] = {}
-        self._cost = CostModel(self.device)
         self.runs = 0
         self.warm_start_trained = False
 

@@ -172,3 +172,38 @@ def test_replicates_average_fine_tunes_on_batches_of_their_own(spec, data):
     }
     with pytest.raises(ValueError, match="replicates"):
         Evaluator(spec, data, TARGET, replicates=0)
+
+
+def test_a_calibration_changes_the_cache_key(spec, data):
+    """The cost model reads the device's calibration from the cache folder; after
+    ``autoprec hardware calibrate`` the evaluation store must not serve speedups priced
+    before it (issue 16's bug)."""
+    import json
+
+    from autoprec.hardware import get_device
+    from autoprec.hardware.calibration import Calibration, calibration_path
+
+    before = Evaluator(spec, data, TARGET, **SMALL)
+    device = get_device(TARGET)
+    rates = {p: 0.5 for p in device.peak_tflops}
+    calibration = Calibration(
+        device=device.name,
+        torch_device="cuda",
+        matmul_size=4096,
+        achieved_tflops={p: device.peak_tflops[p] * 0.5 for p in rates},
+        bandwidth_gbs=device.memory_bandwidth_gbs * 0.5,
+        compute_efficiency=rates,
+        bandwidth_efficiency=0.5,
+        created="2026-12-01T00:00:00+00:00",
+    )
+    path = calibration_path(device.name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(calibration.to_dict()))
+    try:
+        after = Evaluator(spec, data, TARGET, **SMALL)
+        assert after._cost.efficiency.bandwidth == 0.5
+        assert after._settings_key != before._settings_key
+        again = Evaluator(spec, data, TARGET, **SMALL)
+        assert again._settings_key == after._settings_key  # the key is still deterministic
+    finally:
+        path.unlink()
