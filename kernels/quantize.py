@@ -32,7 +32,7 @@ from torch import Tensor
 
 from .formats import Format, get_format
 
-__all__ = ["quantize", "quantize_with_counts", "ROUNDING_MODES"]
+__all__ = ["check_rounding", "quantize", "quantize_with_counts", "ROUNDING_MODES"]
 
 ROUNDING_MODES = ("nearest", "stochastic")
 
@@ -179,6 +179,14 @@ def _compiled_for(x: Tensor, backend: str) -> bool:
     return x.numel() > 1 and (backend == "compiled" or (backend == "auto" and _use_compiled(x)))
 
 
+def check_rounding(rounding: str) -> None:
+    """Raise ValueError unless ``rounding`` is one of :data:`ROUNDING_MODES`."""
+    if rounding not in ROUNDING_MODES:
+        raise ValueError(
+            f"unknown rounding {rounding!r}; expected one of {', '.join(ROUNDING_MODES)}"
+        )
+
+
 def _check_backend(backend: str) -> None:
     if backend not in ("auto", "eager", "compiled"):
         raise ValueError(f"unknown backend {backend!r}; expected auto, eager or compiled")
@@ -236,10 +244,7 @@ def quantize(
     """
     _check_input(x)
     fmt = get_format(fmt)
-    if rounding not in ROUNDING_MODES:
-        raise ValueError(
-            f"unknown rounding {rounding!r}; expected one of {', '.join(ROUNDING_MODES)}"
-        )
+    check_rounding(rounding)
     _check_backend(backend)
     x32 = x.float()
     if fmt.mantissa_bits == 23 and fmt.same_range_as_fp32:  # fp32: already on the grid

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from .formats import Format, get_format
-from .quantize import ROUNDING_MODES, quantize
+from .quantize import check_rounding, quantize
 
 __all__ = [
     "AMAX_EPS",
@@ -119,10 +119,7 @@ class ScaledCast(_Counts):
             raise ValueError(
                 f"unknown amax_rule {amax_rule!r}; expected one of {', '.join(AMAX_RULES)}"
             )
-        if rounding not in ROUNDING_MODES:
-            raise ValueError(
-                f"unknown rounding {rounding!r}; expected one of {', '.join(ROUNDING_MODES)}"
-            )
+        check_rounding(rounding)
         self.history_len = history_len
         self.margin = margin
         self.amax_rule = amax_rule
@@ -279,10 +276,7 @@ class DynamicScaledCast(_Counts):
         count: bool = True,
     ) -> None:
         self.fmt = get_format(fmt)
-        if rounding not in ROUNDING_MODES:
-            raise ValueError(
-                f"unknown rounding {rounding!r}; expected one of {', '.join(ROUNDING_MODES)}"
-            )
+        check_rounding(rounding)
         self.power_of_two = power_of_two
         self.rounding = rounding
         self.count = count
