@@ -90,7 +90,6 @@ NORM_OPS = frozenset(
         "native_group_norm",
     }
 )
-_WIDTH = {"fp8_e4m3": 0, "fp8_e5m2": 0, "fp16": 1, "bf16": 1, "fp32": 2}
 
 
 @dataclass(frozen=True)
@@ -211,15 +210,10 @@ def _compute(precision: Precision) -> str:
 
 
 def _promote(dtypes: list[str]) -> str:
-    """PyTorch's promotion among floating dtypes (bf16 with fp16 gives fp32)."""
+    """PyTorch's promotion among the activation dtypes (fp32, bf16, fp16; fp8 tensors exist
+    only inside torchao's layer): one dtype stays, any two give fp32 (bf16 with fp16 too)."""
     kinds = set(dtypes)
-    if not kinds:
-        return "fp32"
-    if len(kinds) == 1:
-        return kinds.pop()
-    if kinds <= {"bf16"} | {"fp16"} or "fp32" in kinds or kinds >= {"bf16", "fp16"}:
-        return "fp32"
-    return max(kinds, key=_WIDTH.__getitem__)
+    return kinds.pop() if len(kinds) == 1 else "fp32"
 
 
 def region_of(precisions: Mapping[str, Any] | Iterable[Any]) -> str | None:
