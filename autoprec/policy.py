@@ -333,6 +333,30 @@ class PrecisionPolicy:
         """A policy that runs every tunable layer in ``precision``."""
         return cls(default=precision, **kwargs)
 
+    @classmethod
+    def coerce(cls, policy: object) -> PrecisionPolicy:
+        """``policy`` as a PrecisionPolicy: the one reading of what the runtime, the cost model
+        and the evaluator accept.
+
+        A PrecisionPolicy is returned as is; one precision (``"bf16"``) is the uniform policy;
+        a ``{name or "re:<pattern>": precision}`` mapping is a policy whose default is fp32
+        (layers it does not name stay fp32).
+
+        Raises:
+            TypeError: anything else.
+            PolicyError: an unknown precision or a malformed pattern in the mapping.
+        """
+        if isinstance(policy, PrecisionPolicy):
+            return policy
+        if isinstance(policy, (str, Precision)):
+            return cls.uniform(_precision(policy, "policy", ()))
+        if isinstance(policy, Mapping):
+            return cls(default=Precision.FP32, layers=dict(policy))
+        raise TypeError(
+            "policy must be a PrecisionPolicy, a precision name such as 'bf16', or a "
+            f"{{layer name: precision}} mapping; got {type(policy).__name__}"
+        )
+
     def replace(self, **changes: Any) -> PrecisionPolicy:
         """A copy with some fields changed (``dataclasses.replace``)."""
         return dataclasses.replace(self, **changes)
@@ -353,19 +377,24 @@ class PrecisionPolicy:
                 return self.layers[key]
         return None
 
-    def resolve(self, model: nn.Module) -> dict[str, Precision]:
+    def resolve(self, model: nn.Module, named_only: bool = False) -> dict[str, Precision]:
         """The precision of every tunable layer of ``model``, in ``named_modules`` order.
 
         Normalisation layers are listed only when an exact name or a pattern names them
         (otherwise they stay fp32); note that a catch-all pattern such as ``re:.*`` does.
+        ``named_only`` leaves out the tunable layers that only the default covers.
         """
         from autoprec.layers import is_norm, tunable_layers
 
         tunable = {name for name, _ in tunable_layers(model)}
         out: dict[str, Precision] = {}
         for name, module in model.named_modules():
-            if name in tunable:
+            if name in tunable and not named_only:
                 out[name] = self.precision_for(name)
+            elif (name in tunable or is_norm(module, name)) and (
+                precision := self._explicit(name)
+            ) is not None:
+                out[name] = precision
             elif is_norm(module, name) and (precision := self._explicit(name)) is not None:
                 out[name] = precision
         return out
@@ -457,6 +486,21 @@ class PrecisionPolicy:
         return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
 
 
+def resolve_mode(mode: str, device_type: str) -> str:
+    """The runtime mode a run uses: ``"auto"`` is ``native`` on a CUDA device and ``emulate``
+    elsewhere; ``"emulate"`` and ``"native"`` are kept.
+
+    Raises:
+        ValueError: a mode not in :data:`TARGET_MODES`.
+    """
+    if mode not in TARGET_MODES:
+        known = ", ".join(TARGET_MODES)
+        raise ValueError(f"unknown runtime mode {mode!r}; expected one of {known}")
+    if mode == "auto":
+        return "native" if device_type == "cuda" else "emulate"
+    return mode
+
+
 def _check_layers(layers: object) -> tuple[dict[str, Precision], tuple[tuple[str, Any], ...]]:
     if layers is None:
         return {}, ()
@@ -470,7 +514,7 @@ def _check_layers(layers: object) -> tuple[dict[str, Precision], tuple[tuple[str
     patterns = []
     for key, value in layers.items():
         path = ("layers", key)
-        if not isinstance(key, str) or not key:
+        if not isinstance(key, str):  # '' is allowed: the root module (a one-layer model)
             raise PolicyError(
                 f"layer name {_kind(key)} is not a non-empty string; quote it in YAML "
                 f"(e.g. '{excerpt(key, quote=False)}': bf16)",

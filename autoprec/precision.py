@@ -16,7 +16,59 @@ current amax, as ``torchao.float8.Float8Linear`` does natively and the emulate m
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from enum import Enum
+from types import MappingProxyType
+
+
+@dataclass(frozen=True)
+class FormatFacts:
+    """The bit layout and storage of a number format: what needs no torch to know.
+
+    :class:`autoprec.kernels.Format` adds the torch dtype and the derived numeric limits; the
+    cost model, the environment and the plots read these facts directly.
+
+    Args:
+        name: registry name (``"bf16"``).
+        exponent_bits: width of the exponent field.
+        mantissa_bits: width of the stored mantissa (fraction) field.
+        bias: exponent bias.
+        storage_bytes: bytes one value occupies in memory (TF32 lives in a 32-bit container).
+        has_inf: whether the format encodes infinities (OCP ``e4m3fn`` does not).
+        overflow: what round-to-nearest does past the largest finite value (``"inf"``,
+            ``"saturate"`` or ``"nan"``; see :class:`autoprec.kernels.Format`).
+    """
+
+    name: str
+    exponent_bits: int
+    mantissa_bits: int
+    bias: int
+    storage_bytes: int
+    has_inf: bool = True
+    overflow: str = "inf"
+
+    @property
+    def bits(self) -> int:
+        """Number of significant bits in the encoding (sign + exponent + mantissa)."""
+        return 1 + self.exponent_bits + self.mantissa_bits
+
+
+#: Every format autoprec emulates, in registry order: the one table of bits and bytes.
+FORMAT_FACTS: Mapping[str, FormatFacts] = MappingProxyType(
+    {
+        f.name: f
+        for f in (
+            FormatFacts("fp32", 8, 23, 127, 4),
+            # TF32 as NVIDIA tensor cores read it: fp32's range, 10 mantissa bits, 32-bit storage.
+            FormatFacts("tf32", 8, 10, 127, 4),
+            FormatFacts("bf16", 8, 7, 127, 2),
+            FormatFacts("fp16", 5, 10, 15, 2),
+            FormatFacts("fp8_e4m3", 4, 3, 7, 1, has_inf=False, overflow="saturate"),
+            FormatFacts("fp8_e5m2", 5, 2, 15, 1),
+        )
+    }
+)
 
 
 class Precision(str, Enum):
@@ -40,6 +92,16 @@ class Precision(str, Enum):
     def backward_format(self) -> str:
         """Format of the gradient with respect to the layer's output in backward."""
         return "fp8_e5m2" if self is Precision.FP8 else self.value
+
+    @property
+    def bits(self) -> int:
+        """Significant bits of the forward format (fp32 32, tf32 19, bf16 and fp16 16, fp8 8)."""
+        return FORMAT_FACTS[self.forward_format].bits
+
+    @property
+    def bytes_ratio(self) -> float:
+        """Bytes per element at the forward format, relative to fp32's 4 (tf32: 1.0)."""
+        return FORMAT_FACTS[self.forward_format].storage_bytes / 4
 
     @property
     def scaled(self) -> bool:

@@ -12,10 +12,13 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 from dataclasses import dataclass, field
 
 import torch
+
+from autoprec.precision import FORMAT_FACTS
 
 __all__ = ["Format", "FORMATS", "get_format", "format_names"]
 
@@ -144,26 +147,18 @@ class Format:
         return self.name
 
 
+_TORCH_DTYPES = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+
+#: The formats of :data:`autoprec.precision.FORMAT_FACTS` (their one table), with torch dtypes.
 FORMATS: dict[str, Format] = {
-    f.name: f
-    for f in (
-        Format("fp32", 8, 23, 127, 4, torch_dtype=torch.float32),
-        # TF32 as NVIDIA tensor cores read it: fp32's range, 10 mantissa bits, stored in 32 bits.
-        Format("tf32", 8, 10, 127, 4),
-        Format("bf16", 8, 7, 127, 2, torch_dtype=torch.bfloat16),
-        Format("fp16", 5, 10, 15, 2, torch_dtype=torch.float16),
-        Format(
-            "fp8_e4m3",
-            4,
-            3,
-            7,
-            1,
-            has_inf=False,
-            overflow="saturate",
-            torch_dtype=torch.float8_e4m3fn,
-        ),
-        Format("fp8_e5m2", 5, 2, 15, 1, torch_dtype=torch.float8_e5m2),
-    )
+    name: Format(**dataclasses.asdict(facts), torch_dtype=_TORCH_DTYPES.get(name))
+    for name, facts in FORMAT_FACTS.items()
 }
 
 

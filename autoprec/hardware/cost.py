@@ -88,7 +88,7 @@ from typing import TYPE_CHECKING, Any
 from autoprec.hardware.database import DeviceSpec, get_device
 from autoprec.hardware.efficiency import CostModelError, Efficiency, default_efficiency
 from autoprec.hardware.program import Program, program
-from autoprec.precision import PRECISION_NAMES, Precision, parse_precision
+from autoprec.precision import FORMAT_FACTS, PRECISION_NAMES, Precision, parse_precision
 
 if TYPE_CHECKING:
     from autoprec.graph.table import LayerRow, LayerTable
@@ -391,26 +391,21 @@ def _tensor_core_conv(row: LayerRow, precision: Precision) -> bool:
 
 
 def _precision_lookup(policy: Any) -> Any:
-    """A ``name -> Precision`` function for a policy, a mapping or a single precision."""
-    if isinstance(policy, (str, Precision)):
-        uniform = parse_precision(policy)
-        return lambda name: uniform
-    if hasattr(policy, "precision_for"):
-        return policy.precision_for
-    if isinstance(policy, Mapping):
-        parsed = {name: parse_precision(p) for name, p in policy.items()}
-        return lambda name: parsed.get(name, Precision.FP32)
-    raise CostModelError(
-        f"policy must be a PrecisionPolicy, a mapping of layer names to precisions or one "
-        f"precision; got {type(policy).__name__}"
-    )
+    """A ``name -> Precision`` function for what :meth:`PrecisionPolicy.coerce` accepts."""
+    from autoprec.policy import PrecisionPolicy
+
+    try:
+        return PrecisionPolicy.coerce(policy).precision_for
+    except TypeError:
+        raise CostModelError(
+            f"policy must be a PrecisionPolicy, a mapping of layer names to precisions or one "
+            f"precision; got {type(policy).__name__}"
+        ) from None
 
 
-#: Bytes one value of each format occupies (tf32 lives in a 32-bit container), as in
-#: autoprec.kernels' format registry (a test checks they agree); kept here so that costing a
-#: cached table needs no torch.
+#: Bytes one value of each format occupies (tf32 lives in a 32-bit container).
 STORAGE_BYTES: Mapping[str, int] = MappingProxyType(
-    {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
+    {name: facts.storage_bytes for name, facts in FORMAT_FACTS.items()}
 )
 
 
@@ -419,7 +414,7 @@ _CAST_BYTES = {**STORAGE_BYTES, "fp64": 8}  # torchao computes fp8 scales throug
 
 def _ratio(precision: Precision) -> float:
     """Bytes per element at the layer's forward format, relative to fp32's 4."""
-    return STORAGE_BYTES[precision.forward_format] / 4
+    return precision.bytes_ratio
 
 
 def _storage(precision: Precision) -> str:

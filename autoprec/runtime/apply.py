@@ -33,8 +33,8 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from autoprec.hardware.program import region_of
-from autoprec.policy import TARGET_MODES
-from autoprec.precision import Precision, parse_precision
+from autoprec.policy import PATTERN_PREFIX, TARGET_MODES, PrecisionPolicy, resolve_mode
+from autoprec.precision import Precision
 from autoprec.runtime import native
 from autoprec.runtime.functional import WeightUseMode
 from autoprec.runtime.layer import LayerStats, ManagedLayer
@@ -201,14 +201,16 @@ class PolicyHandle:
 
 
 def _resolve(model: nn.Module, policy: Any) -> dict[str, Precision]:
-    if isinstance(policy, (str, Precision)):
-        from autoprec.layers import tunable_layers
-
-        precision = parse_precision(policy)
-        return {name: precision for name, _ in tunable_layers(model)}
-    if isinstance(policy, Mapping):
-        return {name: parse_precision(p) for name, p in policy.items()}
-    return dict(policy.resolve(model))
+    """The layers ``policy`` puts under the runtime; a mapping (read as
+    :meth:`PrecisionPolicy.coerce` reads it) puts only those it names, exactly or by pattern."""
+    coerced = PrecisionPolicy.coerce(policy)
+    if not isinstance(policy, Mapping):
+        return coerced.resolve(model)
+    modules = dict(model.named_modules())
+    missing = [n for n in coerced.layers if not n.startswith(PATTERN_PREFIX) and n not in modules]
+    if missing:
+        raise ValueError(f"policy names layers the model does not have: {', '.join(missing)}")
+    return coerced.resolve(model, named_only=True)
 
 
 def _device_type(model: nn.Module) -> str:
@@ -217,11 +219,7 @@ def _device_type(model: nn.Module) -> str:
 
 
 def _pick_mode(model: nn.Module, mode: str) -> str:
-    if mode not in MODES:
-        raise ValueError(f"unknown runtime mode {mode!r}; expected one of {', '.join(MODES)}")
-    if mode != "auto":
-        return mode
-    return "native" if _device_type(model) == "cuda" else "emulate"
+    return resolve_mode(mode, _device_type(model))
 
 
 def apply_policy(
@@ -263,9 +261,6 @@ def apply_policy(
     mode = _pick_mode(model, mode)
     precisions = _resolve(model, policy)
     modules = dict(model.named_modules())
-    missing = [n for n in precisions if n not in modules]
-    if missing:
-        raise ValueError(f"policy names layers the model does not have: {', '.join(missing)}")
     busy = [n for n in precisions if modules[n] in _applied]
     if busy:
         raise RuntimeStateError(

@@ -256,3 +256,25 @@ def test_in_place_activation_after_a_layer_trains_as_the_out_of_place_one(precis
     # and the output gradient really was rounded: bf16/fp16/fp8 grads differ from fp32's
     _, fp32_grads = grads_of(net(True), x, y)
     assert not torch.equal(grads_b["0.weight"], fp32_grads["0.weight"])
+
+
+@pytest.mark.parametrize("mode", ["emulate", "native"])
+def test_a_pattern_mapping_works_as_the_same_map_in_a_policy(mode):
+    """``apply_policy(m, {"re:.*conv.*": "bf16"})`` runs what the same map inside a
+    ``PrecisionPolicy`` runs: the mapping is read by ``PrecisionPolicy.coerce``."""
+    from autoprec.policy import PrecisionPolicy
+
+    mapping = {"re:.*conv.*": "bf16"}
+    model, x, y = make()
+    with apply_policy(model, mapping, mode=mode) as handle:
+        got_out, got_grads = grads_of(model, x, y)
+        assert handle.precisions() == {"conv": Precision.BF16, "conv1d": Precision.BF16}
+    model, x, y = make()
+    with apply_policy(model, PrecisionPolicy(layers=mapping), mode=mode) as handle:
+        want_out, want_grads = grads_of(model, x, y)
+        assert handle.precisions()["conv"] is Precision.BF16
+        assert handle.precisions()["fc"] is Precision.FP32
+    assert torch.equal(got_out, want_out)
+    assert all(torch.equal(got_grads[n], want_grads[n]) for n in want_grads)
+    with pytest.raises(ValueError, match="layers the model does not have: nope"):
+        apply_policy(make()[0], {"nope": "bf16"}, mode=mode)
