@@ -14,6 +14,7 @@ line prints these notes as ``autoprec: note: ...``.
 from __future__ import annotations
 
 import contextlib
+import csv
 import errno
 import os
 import secrets
@@ -21,7 +22,7 @@ import sqlite3
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
@@ -150,6 +151,33 @@ def write_atomic(path: Path, write: Callable[[IO[Any]], None], binary: bool = Fa
             os.fsync(dirfd)
         finally:
             os.close(dirfd)
+
+
+def write_csv(
+    path: str | os.PathLike[str],
+    rows: Iterable[Mapping[str, Any]],
+    fields: Sequence[str] | None = None,
+) -> Path:
+    """Write ``rows`` as CSV, atomically (:func:`write_atomic`); returns the path.
+
+    ``fields``: the columns, in order (keys outside them are left out, missing or None values
+    are empty); None takes every key of the rows in order of first appearance.
+    """
+    rows = list(rows)
+    if fields is None:
+        fields = []
+        for row in rows:
+            fields += [k for k in row if k not in fields]
+    columns = list(fields)
+
+    def write(fh: IO[Any]) -> None:
+        writer = csv.DictWriter(fh, fieldnames=columns, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows({k: ("" if r.get(k) is None else r[k]) for k in columns} for r in rows)
+
+    target = Path(path)
+    write_atomic(target, write)
+    return target
 
 
 def keep_text(name: str, text: str) -> Path | None:

@@ -22,12 +22,13 @@ from autoprec.graph.table import FLOP_UNIT, LayerRow, LayerTable
 
 if TYPE_CHECKING:  # pragma: no cover
     from autoprec.graph.analyze import AnalysisError, analyze
-    from autoprec.graph.grade import METHODS, SensitivityTable, sensitivity
+    from autoprec.graph.grade import METHODS, Sensitivity, SensitivityTable, sensitivity
 
 _LAZY = {
     "AnalysisError": "autoprec.graph.analyze",
     "analyze": "autoprec.graph.analyze",
     "METHODS": "autoprec.graph.grade",
+    "Sensitivity": "autoprec.graph.grade",
     "SensitivityTable": "autoprec.graph.grade",
     "sensitivity": "autoprec.graph.grade",
 }
@@ -38,6 +39,7 @@ __all__ = [
     "METHODS",
     "LayerRow",
     "LayerTable",
+    "Sensitivity",
     "SensitivityTable",
     "analyze",
     "analyze_named",

@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -55,6 +55,26 @@ def grad_distance(cosine: float) -> float:
     return 0.0 if distance < 0.0 else distance
 
 
+class Sensitivity(NamedTuple):
+    """How one layer reacts to one precision (a :class:`SensitivityTable` entry)."""
+
+    loss_delta: float  # the relative loss change with only this layer at the precision
+    grad_cosine: float  # cosine of the full gradient against fp32's
+
+    @property
+    def grad_distance(self) -> float:
+        """``1 - grad_cosine`` (:func:`grad_distance`)."""
+        return grad_distance(self.grad_cosine)
+
+
+def _indexes(table: SensitivityTable, axis: str) -> dict[str, int]:
+    """``{name: position}`` along ``layers`` or ``precisions``, built once per table."""
+    cache = table.__dict__.setdefault("_indexes", {})
+    if axis not in cache:
+        cache[axis] = {name: i for i, name in enumerate(getattr(table, axis))}
+    return cache[axis]
+
+
 @dataclass(frozen=True)
 class SensitivityTable:
     """Sensitivities of every layer at every precision; matrices are [layer][precision]."""
@@ -72,9 +92,15 @@ class SensitivityTable:
     settings: dict
 
     def distance(self, layer: str, precision: str) -> float:
-        """``1 - grad_cosine`` of one layer at one precision (see :func:`grad_distance`)."""
-        cosine = self.grad_cosine[self.layers.index(layer)][self.precisions.index(precision)]
-        return grad_distance(cosine)
+        """``1 - grad_cosine`` of one layer at one precision (see :func:`grad_distance`).
+
+        Raises:
+            KeyError: the table did not grade that layer at that precision.
+        """
+        entry = self.entry(layer, precision)
+        if entry is None:
+            raise KeyError(f"no sensitivity for layer {layer!r} at {precision}")
+        return entry.grad_distance
 
     def matrix(self, metric: str = "grad_distance") -> list[list[float]]:
         """``grad_distance`` (1 - cosine), ``grad_cosine`` or ``loss_delta``, [layer][precision]."""
@@ -86,12 +112,19 @@ class SensitivityTable:
             f"unknown metric {metric!r}; expected grad_distance, grad_cosine or loss_delta"
         )
 
-    def for_layer(self, layer: str) -> dict[str, dict[str, float]]:
-        i = self.layers.index(layer)
-        return {
-            p: {"loss_delta": self.loss_delta[i][j], "grad_cosine": self.grad_cosine[i][j]}
-            for j, p in enumerate(self.precisions)
-        }
+    def entry(self, layer: str, precision: Precision | str) -> Sensitivity | None:
+        """One layer at one precision, or None when the table did not grade that pair."""
+        i = self._rows().get(layer)
+        j = self._columns().get(str(precision))
+        if i is None or j is None:
+            return None
+        return Sensitivity(self.loss_delta[i][j], self.grad_cosine[i][j])
+
+    def _rows(self) -> dict[str, int]:
+        return _indexes(self, "layers")
+
+    def _columns(self) -> dict[str, int]:
+        return _indexes(self, "precisions")
 
     def to_dict(self) -> dict:
         return asdict(self)

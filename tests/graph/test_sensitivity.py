@@ -98,3 +98,20 @@ def test_distance_clamps_rounding_noise_at_zero():
     )
     assert all(noisy.distance(layer, "bf16") == 0.0 for layer in noisy.layers)
     assert noisy.matrix("grad_distance") == [[0.0, 0.0] for _ in noisy.layers]
+
+
+def test_entry_is_the_typed_accessor_of_one_layer_at_one_precision():
+    from autoprec.graph.grade import Sensitivity, SensitivityTable
+
+    table = SensitivityTable(
+        method="sweep", model="m", fingerprint="f", data_key="d", layers=("a", "b"),
+        precisions=("fp32", "bf16"), loss_delta=((0.0, 0.25), (0.0, float("nan"))),
+        grad_cosine=((1.0, 0.5), (1.0, 0.75)), reference_loss=1.0, wall_time_s=0.0, settings={},
+    )  # fmt: skip
+    assert table.entry("a", "bf16") == Sensitivity(0.25, 0.5)
+    assert table.entry("a", "bf16").grad_distance == 0.5
+    assert table.entry("b", "fp8") is None and table.entry("c", "bf16") is None
+    assert table.distance("b", "bf16") == 0.25
+    with pytest.raises(KeyError, match="'c' at bf16"):
+        table.distance("c", "bf16")
+    assert SensitivityTable.from_dict(table.to_dict()) == table
