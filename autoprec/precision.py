@@ -35,9 +35,12 @@ class FormatFacts:
         mantissa_bits: width of the stored mantissa (fraction) field.
         bias: exponent bias.
         storage_bytes: bytes one value occupies in memory (TF32 lives in a 32-bit container).
-        has_inf: whether the format encodes infinities (OCP ``e4m3fn`` does not).
-        overflow: what round-to-nearest does past the largest finite value (``"inf"``,
-            ``"saturate"`` or ``"nan"``; see :class:`autoprec.kernels.Format`).
+        has_inf: whether the format encodes infinities. Formats without (OCP ``e4m3fn``) keep
+            only the all-ones pattern for NaN, so their top binade has one value fewer.
+        overflow: what round-to-nearest does with a magnitude past the largest finite value:
+            ``"inf"`` (IEEE formats), ``"saturate"`` (clamp to ``±max_finite``, infinities
+            included: torch's cast to ``float8_e4m3fn`` and NVIDIA's ``cvt.rn.satfinite`` do
+            this) or ``"nan"`` (the OCP non-saturating mode for formats without inf).
     """
 
     name: str

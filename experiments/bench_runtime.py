@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 import torchvision
-from benchlib import provenance, timed, write_section
+from benchlib import provenance, publish, timed
 from torch import nn
 
 from autoprec.runtime import apply_policy
@@ -107,9 +107,7 @@ def main() -> None:
         "scaling) and counts overflows/underflows."
     )
     table = "\n".join(lines)
-    print(header, "", table, sep="\n")
-    if args.write_docs:
-        write_section("bench_runtime", f"## Runtime overhead\n\n{header}\n\n{table}\n")
+    publish("bench_runtime", f"## Runtime overhead\n\n{header}\n\n{table}\n", args)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import argparse
 from dataclasses import dataclass, field
 
 import numpy as np
-from benchlib import provenance, write_section
+from benchlib import provenance, publish
 from scipy.stats import spearmanr
 
 from autoprec.data import load_dataset_for
@@ -69,9 +69,7 @@ def main() -> None:
         "precision and over all (layer, precision) pairs."
     )
     table = "\n".join(lines)
-    print(header, "", table, sep="\n")
-    if args.write_docs:
-        write_section("bench_sensitivity", f"## Sensitivity analysis\n\n{header}\n\n{table}\n")
+    publish("bench_sensitivity", f"## Sensitivity analysis\n\n{header}\n\n{table}\n", args)
 
 
 if __name__ == "__main__":

@@ -93,6 +93,14 @@ def write_section(name: str, body: str, path: Path = DOCS) -> None:
     print(f"wrote {path}", file=sys.stderr)
 
 
+def publish(name: str, body: str, args: Any, path: Path | None = None) -> None:
+    """Print ``body`` and, with ``--write-docs``, make it the section ``name`` of the docs
+    (``args.docs`` or ``path`` when given, else docs/benchmarks.md)."""
+    print(body)
+    if args.write_docs:
+        write_section(name, body, path=path or getattr(args, "docs", None) or DOCS)
+
+
 def parse_args(cls: type[T], description: str, argv: Sequence[str] | None = None) -> T:
     """An instance of the dataclass ``cls`` from the command line: one ``--field-name`` option
     per field, its default the field's; bools are flags, lists and tuples take several values,

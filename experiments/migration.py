@@ -38,7 +38,7 @@ from benchlib import (
     md_table,
     parse_args,
     provenance,
-    write_section,
+    publish,
 )
 
 from autoprec.cache import cache_dir as default_cache_dir
@@ -241,9 +241,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             "",
         ]
     )
-    print(body)
-    if args.write_docs:
-        write_section("migration" + dataset_suffix(args.dataset), body, path=args.docs)
+    publish("migration" + dataset_suffix(args.dataset), body, args)
     return results
 
 

@@ -50,8 +50,8 @@ from benchlib import (
     md_table,
     parse_args,
     provenance,
+    publish,
     score_split,
-    write_section,
 )
 from torch import nn
 
@@ -335,9 +335,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             "",
         ]
     )
-    print(body)
-    if args.write_docs:
-        write_section("overflow" + dataset_suffix(args.dataset), body, path=args.docs)
+    publish("overflow" + dataset_suffix(args.dataset), body, args)
     return results
 
 

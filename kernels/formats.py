@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from autoprec.precision import FORMAT_FACTS
+from autoprec.precision import FORMAT_FACTS, FormatFacts
 
 __all__ = ["Format", "FORMATS", "get_format", "format_names"]
 
@@ -29,31 +29,16 @@ def _f32_bits(value: float) -> int:
 
 
 @dataclass(frozen=True)
-class Format:
-    """A binary floating-point format.
+class Format(FormatFacts):
+    """A binary floating-point format: its :class:`~autoprec.precision.FormatFacts` (layout,
+    storage, infinities and overflow convention), the torch dtype that stores it, and the
+    numeric limits derived from the layout.
 
     Args:
-        name: registry name (``"bf16"``).
-        exponent_bits: width of the exponent field.
-        mantissa_bits: width of the stored mantissa (fraction) field.
-        bias: exponent bias.
-        storage_bytes: bytes one value occupies in memory (TF32 lives in a 32-bit container).
-        has_inf: whether the format encodes infinities. Formats without (OCP ``e4m3fn``) keep
-            only the all-ones pattern for NaN, so their top binade has one value fewer.
-        overflow: what round-to-nearest does with a magnitude past the largest finite value:
-            ``"inf"`` (IEEE formats), ``"saturate"`` (clamp to ``±max_finite``, infinities
-            included: torch's cast to ``float8_e4m3fn`` and NVIDIA's ``cvt.rn.satfinite`` do
-            this) or ``"nan"`` (the OCP non-saturating mode for formats without inf).
-        torch_dtype: the torch dtype that stores this format, when there is one.
+        torch_dtype: the torch dtype that stores this format, when there is one; the other
+            arguments are :class:`~autoprec.precision.FormatFacts`'.
     """
 
-    name: str
-    exponent_bits: int
-    mantissa_bits: int
-    bias: int
-    storage_bytes: int
-    has_inf: bool = True
-    overflow: str = "inf"
     torch_dtype: torch.dtype | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -104,11 +89,6 @@ class Format:
     def eps(self) -> float:
         """Distance from 1.0 to the next larger value."""
         return 2.0**-self.mantissa_bits
-
-    @property
-    def bits(self) -> int:
-        """Number of significant bits in the encoding (sign + exponent + mantissa)."""
-        return 1 + self.exponent_bits + self.mantissa_bits
 
     @property
     def same_range_as_fp32(self) -> bool:

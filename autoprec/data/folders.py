@@ -37,23 +37,11 @@ from autoprec.data._base import (
 
 _CIFAR = {
     # name: (torchvision class, folder, classes, label, mean, std)
-    "cifar10": (
-        "CIFAR10",
-        "cifar-10-batches-py",
-        10,
-        "CIFAR-10",
-        (0.4914, 0.4822, 0.4465),
-        (0.2470, 0.2435, 0.2616),
-    ),
-    "cifar100": (
-        "CIFAR100",
-        "cifar-100-python",
-        100,
-        "CIFAR-100",
-        (0.5071, 0.4865, 0.4409),
-        (0.2673, 0.2564, 0.2762),
-    ),
-}
+    "cifar10": ("CIFAR10", "cifar-10-batches-py", 10, "CIFAR-10",
+                (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+    "cifar100": ("CIFAR100", "cifar-100-python", 100, "CIFAR-100",
+                 (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
+}  # fmt: skip
 _IMAGENET_MEAN, _IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 #: Image folders with at most this many images in the splits are decoded in full when loaded.

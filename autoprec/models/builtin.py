@@ -165,16 +165,10 @@ def build_tinytransformer(
     if length < 1:
         raise ModelError(f"tinytransformer needs seq_len >= 1, got {length}")
     module = TinyTransformer(vocab_size=DEFAULT_VOCAB, seq_len=length, num_classes=num_classes)
-    return ModelSpec(
-        "tinytransformer",
-        module,
-        (length,),
-        Task.SEQUENCE_CLASSIFICATION,
-        num_classes,
-        input_dtype=torch.long,
-        vocab_size=DEFAULT_VOCAB,
-        family="builtin",
-    )
+    return ModelSpec.for_tokens(
+        "tinytransformer", module, length, Task.SEQUENCE_CLASSIFICATION, num_classes,
+        DEFAULT_VOCAB, family="builtin",
+    )  # fmt: skip
 
 
 BUILTIN_MODELS: dict[str, BuiltinEntry] = {

@@ -131,13 +131,6 @@ def build_hf(name: str, num_classes: int, seq_len: int | None = None) -> ModelSp
         raise ModelError(f"{name} needs seq_len >= 1, got {length}")
     entry = HF_MODELS[name]
     module, vocab_size = entry.build(num_classes, length)
-    return ModelSpec(
-        name,
-        module,
-        (length,),
-        entry.task,
-        num_classes,
-        input_dtype=torch.long,
-        vocab_size=vocab_size,
-        family="hf",
+    return ModelSpec.for_tokens(
+        name, module, length, entry.task, num_classes, vocab_size, family="hf"
     )

@@ -112,6 +112,17 @@ class ModelSpec:
                 f"(input_dtype torch.long), got {self.input_dtype}"
             )
 
+    @classmethod
+    def for_tokens(
+        cls, name: str, module: nn.Module, seq_len: int, task: str, num_classes: int,
+        vocab_size: int, family: str,
+    ) -> ModelSpec:  # fmt: skip
+        """A model whose input is ``seq_len`` token ids of a ``vocab_size`` vocabulary."""
+        return cls(
+            name, module, (seq_len,), task, num_classes, input_dtype=torch.long,
+            vocab_size=vocab_size, family=family,
+        )  # fmt: skip
+
     @property
     def tokens(self) -> bool:
         """Whether the input is integer token ids (rather than real-valued features)."""
