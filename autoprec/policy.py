@@ -4,7 +4,9 @@ A policy maps fully qualified module names, or ``re:<regex>`` patterns, to preci
 for a layer: its exact name, then the first pattern (in mapping order) that fully matches it, then
 ``default``. Patterns are Python ``re`` syntax, matched by the ``regex`` package so that one that
 backtracks catastrophically (``(.*.*)*X``) is stopped after :data:`PATTERN_TIMEOUT_S` with a
-:class:`PolicyError` instead of hanging. Files are read and written by :mod:`autoprec.policy_io`.
+:class:`PolicyError` instead of hanging. The sections (loss scaling, model, target) and the check
+of every field live in :mod:`autoprec.policy_fields`; files are read and written by
+:mod:`autoprec.policy_io`.
 
 Example:
     >>> p = PrecisionPolicy(default="bf16", layers={"fc": "fp32", "re:.*downsample.*": "fp16"})
@@ -15,42 +17,56 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import difflib
 import hashlib
 import json
-import math
-import re
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from autoprec._text import excerpt
-from autoprec.precision import PRECISION_NAMES, Precision, parse_precision
+from autoprec.policy_fields import (
+    LOSS_SCALING_KINDS,
+    PATTERN_PREFIX,
+    SCHEMA_VERSIONS,
+    TARGET_MODES,
+    LossScalingConfig,
+    ModelInfo,
+    PolicyError,
+    TargetInfo,
+    check_document,
+    check_layers,
+    check_mapping,
+    check_metric,
+    check_precision,
+    check_provenance,
+    check_section,
+    suggest,
+    supported_precisions,
+)
+from autoprec.precision import Precision
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch import nn
 
-SCHEMA_VERSIONS = (1,)
-PATTERN_PREFIX = "re:"
-LOSS_SCALING_KINDS = ("dynamic", "static", "none")
-TARGET_MODES = ("auto", "emulate", "native")
+    from autoprec._datafile import LineFinder
+
+__all__ = [
+    "LOSS_SCALING_KINDS",
+    "PATTERN_PREFIX",
+    "PATTERN_TIMEOUT_S",
+    "SCHEMA_VERSIONS",
+    "TARGET_MODES",
+    "LossScalingConfig",
+    "ModelInfo",
+    "PolicyError",
+    "PolicyReport",
+    "PrecisionPolicy",
+    "TargetInfo",
+    "policy_from_data",
+    "resolve_mode",
+]
+
 PATTERN_TIMEOUT_S = 0.1  # per match; a sane pattern takes microseconds on a module name
-
-Field = tuple[Any, ...]
-_T = TypeVar("_T")
-
-
-class PolicyError(ValueError):
-    """A defect in a policy or a policy file; the message says what was expected and got.
-
-    Attributes:
-        field: path of the offending field, e.g. ``("layers", "fc")``; ``()`` for the whole.
-    """
-
-    def __init__(self, message: str, *, field: Field = ()) -> None:
-        super().__init__(message)
-        self.field = field
 
 
 class _FrozenMap(Mapping):
@@ -83,172 +99,6 @@ class _FrozenMap(Mapping):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (tuple(self._data.items()),))
-
-
-def _kind(value: object) -> str:
-    return f"{excerpt(value)} ({type(value).__name__})"
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _finite(value: object) -> bool:
-    """A number (not a bool) that a float holds finitely; ``10**400`` is not."""
-    if not _is_number(value):
-        return False
-    try:
-        return math.isfinite(value)
-    except OverflowError:  # an int beyond the largest float
-        return False
-
-
-def _yaml_hint(value: object) -> str:
-    """A hint for '1e5'-style strings, which YAML 1.1 reads as text, and for huge integers."""
-    if _is_number(value) and not _finite(value) and isinstance(value, int):
-        return "; it is beyond the largest float (about 1.8e308)"
-    if isinstance(value, str):
-        try:
-            float(value)
-        except ValueError:
-            return ""
-        return "; it is a string (YAML 1.1 needs a dot and a signed exponent: 1.0e+5)"
-    return ""
-
-
-def _suggest(word: object, choices: Iterable[str], n: int = 1) -> list[str]:
-    return difflib.get_close_matches(str(word), list(choices), n=n)
-
-
-def _unknown_key(key: object, allowed: tuple[str, ...], where: str, path: Field) -> PolicyError:
-    hint = _suggest(key, allowed)
-    did = f"did you mean {hint[0]!r}? " if hint else ""
-    return PolicyError(
-        f"unknown key {excerpt(key)} in {where}; {did}allowed keys: {', '.join(allowed)}",
-        field=(*path, key),
-    )
-
-
-def _section(cls: type[_T], value: object, name: str) -> _T | None:
-    """Build ``cls`` from a mapping (as read from a file), or pass an instance or None through."""
-    if value is None or isinstance(value, cls):
-        return value
-    if not isinstance(value, Mapping):
-        raise PolicyError(
-            f"{name} must be a mapping of {', '.join(f.name for f in dataclasses.fields(cls))}; "
-            f"got {_kind(value)}",
-            field=(name,),
-        )
-    allowed = tuple(f.name for f in dataclasses.fields(cls))
-    for key in value:
-        if key not in allowed:
-            raise _unknown_key(key, allowed, name, (name,))
-    return cls(**value)
-
-
-def _precision(value: object, what: str, path: Field) -> Precision:
-    try:
-        return parse_precision(value)
-    except ValueError:
-        raise PolicyError(
-            f"unknown precision {excerpt(value)} for {what}; expected one of "
-            f"{', '.join(PRECISION_NAMES)}",
-            field=path,
-        ) from None
-
-
-@dataclass(frozen=True)
-class LossScalingConfig:
-    """How the loss is scaled so that fp16 gradients do not underflow.
-
-    Args:
-        kind: ``"dynamic"`` (grow/back off, like ``torch.amp.GradScaler``), ``"static"`` (keep
-            ``init_scale``) or ``"none"``.
-        init_scale: the starting (or, for static, the fixed) scale; > 0.
-        growth_factor: multiplier after ``growth_interval`` finite steps; > 1.
-        backoff_factor: multiplier after an overflow; between 0 and 1.
-        growth_interval: finite steps between growths; >= 1.
-    """
-
-    kind: str = "dynamic"
-    init_scale: float = 2.0**15
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 2000
-
-    def __post_init__(self) -> None:
-        def bad(name: str, expected: str, value: object) -> PolicyError:
-            return PolicyError(
-                f"loss_scaling.{name} must be {expected}; got {_kind(value)}{_yaml_hint(value)}",
-                field=("loss_scaling", name),
-            )
-
-        if self.kind not in LOSS_SCALING_KINDS:
-            raise bad("kind", f"one of {', '.join(LOSS_SCALING_KINDS)}", self.kind)
-        checks = {
-            "init_scale": ("a number > 0, e.g. 32768", lambda v: v > 0),
-            "growth_factor": ("a number > 1, e.g. 2.0", lambda v: v > 1),
-            "backoff_factor": ("a number between 0 and 1, e.g. 0.5", lambda v: 0 < v < 1),
-        }
-        for name, (expected, ok) in checks.items():
-            value = getattr(self, name)
-            if not _finite(value) or not ok(value):
-                raise bad(name, expected, value)
-            object.__setattr__(self, name, float(value))
-        interval = self.growth_interval
-        if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
-            raise bad("growth_interval", "an integer >= 1, e.g. 2000", interval)
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What model a policy was made for; every field is optional."""
-
-    name: str | None = None
-    fingerprint: str | None = None
-    tunable_layers: int | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("name", "fingerprint"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, str):
-                raise PolicyError(
-                    f"model.{name} must be a string; got {_kind(value)}", field=("model", name)
-                )
-        count = self.tunable_layers
-        if count is not None and (
-            not isinstance(count, int) or isinstance(count, bool) or count < 0
-        ):
-            raise PolicyError(
-                f"model.tunable_layers must be an integer >= 0; got {_kind(count)}",
-                field=("model", "tunable_layers"),
-            )
-
-
-@dataclass(frozen=True)
-class TargetInfo:
-    """Where a policy is meant to run.
-
-    Args:
-        device: a name from the hardware database (e.g. ``"h100-sxm"``), or None for any.
-        mode: ``"native"`` (real low-precision kernels), ``"emulate"`` (fake-quantised fp32) or
-            ``"auto"`` (native where the device runs the format, emulated otherwise).
-    """
-
-    device: str | None = None
-    mode: str = "auto"
-
-    def __post_init__(self) -> None:
-        if self.device is not None and not isinstance(self.device, str):
-            raise PolicyError(
-                f"target.device must be a string; got {_kind(self.device)}",
-                field=("target", "device"),
-            )
-        if self.mode not in TARGET_MODES:
-            raise PolicyError(
-                f"target.mode must be one of {', '.join(TARGET_MODES)}; got {_kind(self.mode)}",
-                field=("target", "mode"),
-            )
 
 
 @dataclass(frozen=True)
@@ -317,16 +167,24 @@ class PrecisionPolicy:
 
     def __post_init__(self) -> None:
         put = object.__setattr__
-        put(self, "default", _precision(self.default, "default", ("default",)))
-        layers, patterns = _check_layers(self.layers)
+        put(self, "default", check_precision(self.default, "default", ("default",)))
+        layers, patterns = check_layers(self.layers)
         put(self, "layers", _FrozenMap(layers))
         put(self, "_patterns", patterns)
-        put(self, "loss_scaling", _section(LossScalingConfig, self.loss_scaling, "loss_scaling"))
-        model = _section(ModelInfo, self.model, "model")
+        put(
+            self,
+            "loss_scaling",
+            check_section(LossScalingConfig, self.loss_scaling, "loss_scaling"),
+        )
+        model = check_section(ModelInfo, self.model, "model")
         put(self, "model", None if model == ModelInfo() else model)
-        put(self, "target", _section(TargetInfo, self.target, "target"))
-        put(self, "metrics", _check_mapping(self.metrics, "metrics", _metric))
-        put(self, "provenance", _check_mapping(self.provenance, "provenance", _provenance))
+        put(self, "target", check_section(TargetInfo, self.target, "target"))
+        put(self, "metrics", _FrozenMap(check_mapping(self.metrics, "metrics", check_metric)))
+        put(
+            self,
+            "provenance",
+            _FrozenMap(check_mapping(self.provenance, "provenance", check_provenance)),
+        )
 
     @classmethod
     def uniform(cls, precision: Precision | str, **kwargs: Any) -> PrecisionPolicy:
@@ -349,7 +207,7 @@ class PrecisionPolicy:
         if isinstance(policy, PrecisionPolicy):
             return policy
         if isinstance(policy, (str, Precision)):
-            return cls.uniform(_precision(policy, "policy", ()))
+            return cls.uniform(check_precision(policy, "policy", ()))
         if isinstance(policy, Mapping):
             return cls(default=Precision.FP32, layers=dict(policy))
         raise TypeError(
@@ -418,16 +276,16 @@ class PrecisionPolicy:
         for key in self.layers:
             if key in patterns:
                 if not any(_fullmatch(key, patterns[key], n) for n in names):
-                    unmatched.append((key, _suggest(key[len(PATTERN_PREFIX) :], names, n=3)))
+                    unmatched.append((key, suggest(key[len(PATTERN_PREFIX) :], names, n=3)))
             elif key not in present:
-                unmatched.append((key, _suggest(key, names, n=3)))
+                unmatched.append((key, suggest(key, names, n=3)))
         mismatch = None
         expected = self.model.fingerprint if self.model else None
         if expected and expected != (actual := model_fingerprint(model)):
             mismatch = (expected, actual)
         unsupported: dict[str, Precision] = {}
         if device is not None:
-            supported = _supported_precisions(device)
+            supported = supported_precisions(device)
             resolved = self.resolve(model)
             unsupported = {n: p for n, p in resolved.items() if p not in supported}
         return PolicyReport(unmatched=unmatched, fingerprint=mismatch, unsupported=unsupported)
@@ -466,8 +324,6 @@ class PrecisionPolicy:
         Raises:
             PolicyError: any defect; the message starts with ``source``.
         """
-        from autoprec.policy_io import policy_from_data
-
         return policy_from_data(data, source)
 
     def digest(self) -> str:
@@ -486,6 +342,24 @@ class PrecisionPolicy:
         return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
 
 
+def policy_from_data(
+    data: object, source: str, line_of: LineFinder | None = None
+) -> PrecisionPolicy:
+    """Build a policy from parsed file data; errors start with ``source`` (and the line).
+
+    Args:
+        data: the parsed document.
+        source: the file path (or ``"<dict>"``) to name in errors.
+        line_of: maps a field path to its 1-based line in the file, or None.
+    """
+    try:
+        return PrecisionPolicy(**check_document(data))
+    except PolicyError as exc:
+        line = line_of(exc.field) if line_of and exc.field else None
+        where = f"{source}, line {line}" if line else source
+        raise PolicyError(f"{where}: {exc}", field=exc.field) from None
+
+
 def resolve_mode(mode: str, device_type: str) -> str:
     """The runtime mode a run uses: ``"auto"`` is ``native`` on a CUDA device and ``emulate``
     elsewhere; ``"emulate"`` and ``"native"`` are kept.
@@ -501,49 +375,6 @@ def resolve_mode(mode: str, device_type: str) -> str:
     return mode
 
 
-def _check_layers(layers: object) -> tuple[dict[str, Precision], tuple[tuple[str, Any], ...]]:
-    if layers is None:
-        return {}, ()
-    if not isinstance(layers, Mapping):
-        raise PolicyError(
-            "layers must be a mapping of module name (or 're:<regex>') to precision; "
-            f"got {_kind(layers)}",
-            field=("layers",),
-        )
-    out: dict[str, Precision] = {}
-    patterns = []
-    for key, value in layers.items():
-        path = ("layers", key)
-        if not isinstance(key, str):  # '' is allowed: the root module (a one-layer model)
-            raise PolicyError(
-                f"layer name {_kind(key)} is not a non-empty string; quote it in YAML "
-                f"(e.g. '{excerpt(key, quote=False)}': bf16)",
-                field=path,
-            )
-        out[key] = _precision(value, f"layer {excerpt(key)}", path)
-        if key.startswith(PATTERN_PREFIX):
-            patterns.append((key, _compile(key, path)))
-    return out, tuple(patterns)
-
-
-def _compile(key: str, path: Field) -> Any:
-    """The ``regex`` pattern of ``re:<body>``; the syntax accepted is Python's ``re``."""
-    import regex
-
-    body = key[len(PATTERN_PREFIX) :]
-    try:
-        re.compile(body)  # the file format's syntax, whichever engine matches it
-    except re.error as exc:
-        raise PolicyError(
-            f"pattern {excerpt(key)} is not a valid regular expression: {exc}; fix the regex "
-            "(Python 're' syntax, matched against the whole module name)",
-            field=path,
-        ) from None
-    if not body:
-        raise PolicyError(f"pattern {excerpt(key)} is empty; write e.g. 're:.*fc'", field=path)
-    return regex.compile(body)
-
-
 def _fullmatch(key: str, pattern: Any, name: str) -> bool:
     try:
         return pattern.fullmatch(name, timeout=PATTERN_TIMEOUT_S) is not None
@@ -554,58 +385,3 @@ def _fullmatch(key: str, pattern: Any, name: str) -> bool:
             "'(a+)+' or '(.*.*)*' can; write it without nested repeats (e.g. 're:layer1\\..*')",
             field=("layers", key),
         ) from None
-
-
-def _check_mapping(value: object, name: str, check: Callable[[object, Field], Any]) -> _FrozenMap:
-    if value is None:
-        return _FrozenMap()
-    if not isinstance(value, Mapping):
-        raise PolicyError(f"{name} must be a mapping; got {_kind(value)}", field=(name,))
-    out = {}
-    for key, item in value.items():
-        if not isinstance(key, str):
-            raise PolicyError(
-                f"{name} key {_kind(key)} is not a string; quote it", field=(name, key)
-            )
-        out[key] = check(item, (name, key))
-    return _FrozenMap(out)
-
-
-def _metric(value: object, path: Field) -> float:
-    if not _finite(value):
-        raise PolicyError(
-            f"metrics.{excerpt(path[1], quote=False)} must be a finite number; got "
-            f"{_kind(value)}{_yaml_hint(value)}",
-            field=path,
-        )
-    return float(value)
-
-
-def _provenance(value: object, path: Field) -> str:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, (datetime.date, datetime.datetime)):
-        return value.isoformat()
-    if _is_number(value):
-        return str(value)
-    raise PolicyError(
-        f"provenance.{excerpt(path[1], quote=False)} must be a string; got {_kind(value)}; "
-        "quote the value",
-        field=path,
-    )
-
-
-def _supported_precisions(device: object) -> frozenset[Precision]:
-    names = getattr(device, "supported_precisions", device)
-    if isinstance(names, (str, bytes)) or not isinstance(names, Iterable):
-        raise TypeError(
-            "device must be an iterable of precision names or an object with "
-            f"'supported_precisions'; got {_kind(names)}"
-        )
-    out = set()
-    for name in names:
-        try:
-            out.add(parse_precision(name))
-        except ValueError:
-            continue  # a format that is not a layer precision (int8, fp4, ...)
-    return frozenset(out)

@@ -23,37 +23,29 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
 from pathlib import Path
 
 import yaml
 
-from autoprec._datafile import DataFileError, LineFinder, parse_json, parse_yaml, read_text
+from autoprec._datafile import DataFileError, parse_json, parse_yaml, read_text
 from autoprec.cache import write_atomic
-from autoprec.policy import (
-    PATTERN_PREFIX,
-    SCHEMA_VERSIONS,
-    PolicyError,
-    PrecisionPolicy,
-    _kind,
-    _unknown_key,
-)
-from autoprec.precision import PRECISION_NAMES
+from autoprec.policy import PrecisionPolicy, policy_from_data
+from autoprec.policy_fields import PATTERN_PREFIX, REQUIRED_HINT, TOP_LEVEL_KEYS, PolicyError
+
+__all__ = [
+    "JSON_SUFFIXES",
+    "TOP_LEVEL_KEYS",
+    "YAML_SUFFIXES",
+    "format_policy",
+    "load_policy",
+    "policy_format",
+    "policy_from_data",  # defined by autoprec.policy, which PrecisionPolicy.from_dict shares
+    "save_policy",
+]
 
 YAML_SUFFIXES = (".yaml", ".yml")
 JSON_SUFFIXES = (".json",)
-TOP_LEVEL_KEYS = (
-    "autoprec_policy",
-    "model",
-    "target",
-    "default",
-    "layers",
-    "loss_scaling",
-    "metrics",
-    "provenance",
-)
 _WHAT = "policy file"
-_REQUIRED_HINT = "a policy needs at least 'autoprec_policy: 1' and 'default: <precision>'"
 
 
 class _Flow(dict):
@@ -151,54 +143,5 @@ def load_policy(path: str | os.PathLike[str]) -> PrecisionPolicy:
     except DataFileError as exc:
         raise PolicyError(str(exc)) from None
     if data is None:
-        raise PolicyError(f"{source}: the file is empty; {_REQUIRED_HINT}")
+        raise PolicyError(f"{source}: the file is empty; {REQUIRED_HINT}")
     return policy_from_data(data, source, line_of)
-
-
-def policy_from_data(
-    data: object, source: str, line_of: LineFinder | None = None
-) -> PrecisionPolicy:
-    """Build a policy from parsed file data; errors start with ``source`` (and the line).
-
-    Args:
-        data: the parsed document.
-        source: the file path (or ``"<dict>"``) to name in errors.
-        line_of: maps a field path to its 1-based line in the file, or None.
-    """
-    try:
-        return _build(data)
-    except PolicyError as exc:
-        line = line_of(exc.field) if line_of and exc.field else None
-        where = f"{source}, line {line}" if line else source
-        raise PolicyError(f"{where}: {exc}", field=exc.field) from None
-
-
-def _build(data: object) -> PrecisionPolicy:
-    if not isinstance(data, Mapping):
-        raise PolicyError(
-            f"expected a mapping of policy fields at the top level; got {_kind(data)}; "
-            + _REQUIRED_HINT
-        )
-    for key in data:
-        if key not in TOP_LEVEL_KEYS:
-            raise _unknown_key(key, TOP_LEVEL_KEYS, "the policy (top level)", ())
-    versions = ", ".join(map(str, SCHEMA_VERSIONS))
-    if "autoprec_policy" not in data:
-        raise PolicyError(
-            "missing required key 'autoprec_policy' (the schema version); "
-            f"add 'autoprec_policy: {SCHEMA_VERSIONS[-1]}' as the first line"
-        )
-    version = data["autoprec_policy"]
-    if not isinstance(version, int) or isinstance(version, bool) or version not in SCHEMA_VERSIONS:
-        raise PolicyError(
-            f"unsupported autoprec_policy (schema version) {_kind(version)}; this autoprec "
-            f"reads version {versions}; upgrade autoprec or rewrite the file",
-            field=("autoprec_policy",),
-        )
-    if "default" not in data:
-        raise PolicyError(
-            f"missing required key 'default'; add e.g. 'default: fp32' (one of "
-            f"{', '.join(PRECISION_NAMES)})"
-        )
-    fields = {k: v for k, v in data.items() if k != "autoprec_policy"}
-    return PrecisionPolicy(**fields)

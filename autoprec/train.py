@@ -6,14 +6,14 @@ applied with :func:`~autoprec.runtime.apply_policy` and its loss scaling
 validation at every epoch end, atomic checkpoints that a later run resumes from, and DDP when
 launched by ``torchrun``.
 
-A checkpoint holds everything the next step depends on: the weights and buffers, the optimizer's
-state, the loss scaler's (scale, growth tracker, counters), every process's RNG states, the step
-(which fixes the data order) and the history so far. The runtime itself carries no state from
-step to step that the result depends on: fp8 layers scale by the current amax (torchao's
-tensorwise dynamic recipe, no amax history), and the overflow guard only counts (training runs
-it without promotions; the count is checkpointed). A run stopped at a step boundary (``stop``,
-which ``autoprec train`` sets on SIGTERM or Ctrl-C) writes a checkpoint there and raises
-:class:`TrainInterrupted`.
+A checkpoint (:mod:`autoprec.checkpoint`) holds everything the next step depends on: the
+weights and buffers, the optimizer's state, the loss scaler's (scale, growth tracker, counters),
+every process's RNG states, the step (which fixes the data order) and the history so far. The
+runtime itself carries no state from step to step that the result depends on: fp8 layers scale
+by the current amax (torchao's tensorwise dynamic recipe, no amax history), and the overflow
+guard only counts (training runs it without promotions; the count is checkpointed). A run
+stopped at a step boundary (``stop``, which ``autoprec train`` sets on SIGTERM or Ctrl-C) writes
+a checkpoint there and raises :class:`TrainInterrupted`.
 
 Data order depends only on ``seed`` and the epoch (a seeded ``DistributedSampler`` per epoch,
 also for one process), so a run resumed from a checkpoint ends with the same weights as one that
@@ -33,24 +33,30 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
-from torch.utils.data import Dataset, DistributedSampler, TensorDataset, default_collate
+from torch import nn
+from torch.utils.data import DistributedSampler
 
-from autoprec.cache import write_atomic
+from autoprec.checkpoint import (
+    CHECKPOINT_NAME,
+    CheckpointError,
+    load_checkpoint,
+    restore_rng,
+    save_checkpoint,
+)
+from autoprec.distributed import StopFn, any_rank, dist_env, sum_over_ranks
 from autoprec.layers import model_fingerprint
-from autoprec.policy import PrecisionPolicy
-from autoprec.runtime import MODES, LossScaler, apply_policy
+from autoprec.policy import PrecisionPolicy, resolve_mode
+from autoprec.runtime import LossScaler, apply_policy
+from autoprec.train_loop import LogFn, TrainLoop
 
 __all__ = [
     "CHECKPOINT_NAME",
@@ -64,15 +70,6 @@ __all__ = [
     "train",
 ]
 
-CHECKPOINT_NAME = "last.pt"
-CHECKPOINT_VERSION = 1
-VAL_BATCH = 256
-# Settings a resumed run must share with the run that wrote the checkpoint.
-_RESUME_KEYS = ("batch_size", "grad_accum", "world_size", "seed", "lr", "momentum")
-
-LogFn = Callable[[int, dict[str, float]], None]
-StopFn = Callable[[], bool]
-
 
 class PolicyMismatchError(ValueError):
     """The policy does not fit the model (or the device): it was made for something else."""
@@ -84,10 +81,6 @@ class TrainConfigError(ValueError):
 
 class TrainDivergedError(ValueError):
     """The loss became inf/NaN with no loss scaler to skip the step."""
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be resumed by this run; the message says why and what to do."""
 
 
 class TrainInterrupted(KeyboardInterrupt):
@@ -155,15 +148,6 @@ class TrainResult:
         return out
 
 
-def dist_env() -> tuple[int, int, int]:
-    """``(rank, world_size, local_rank)`` as ``torchrun`` sets them; ``(0, 1, 0)`` otherwise."""
-    if dist.is_available() and dist.is_initialized():
-        rank, world = dist.get_rank(), dist.get_world_size()
-    else:
-        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    return rank, world, int(os.environ.get("LOCAL_RANK", "0"))
-
-
 def train(
     spec: Any,
     data: Any,
@@ -224,7 +208,12 @@ def train(
         TrainInterrupted: ``stop()`` returned True before the last step.
     """
     start = time.perf_counter()
-    _check_settings(steps, epochs, batch_size, lr, momentum, grad_accum, checkpoint_every)
+    _check_settings(
+        dict(steps=steps, epochs=epochs, batch_size=batch_size, grad_accum=grad_accum),
+        checkpoint_every,
+        lr,
+        momentum,
+    )
     rank, world, local_rank = dist_env()
     dev = _pick_device(device, local_rank if world > 1 else None)
     run_mode = _pick_mode(mode, dev)
@@ -267,7 +256,7 @@ def train(
         optimizer = torch.optim.SGD(module.parameters(), lr=lr, momentum=momentum)
         scaler = LossScaler.from_config(policy.loss_scaling, device=dev)
         path = Path(checkpoint_dir) / CHECKPOINT_NAME if checkpoint_dir is not None else None
-        ckpt = _load_checkpoint(path, config, rank, world)
+        ckpt = load_checkpoint(path, config, rank, world)
         step, history, prior_overflows, resumed_from = 0, [], 0, None
         val_history: list[dict[str, float]] = []
         if ckpt is not None:
@@ -279,7 +268,7 @@ def train(
             history = [float(v) for v in ckpt["train_loss"]]
             prior_overflows = int(ckpt["overflows"])
             val_history = [dict(v) for v in ckpt.get("val_history", [])]
-            _set_rng(ckpt["rng"][rank], dev)
+            restore_rng(ckpt["rng"][rank], dev)
         saved_at = resumed_from  # the step the file at `path` holds
 
         model: nn.Module = module
@@ -287,12 +276,12 @@ def train(
             ids = [dev.index] if dev.type == "cuda" else None
             model = nn.parallel.DistributedDataParallel(module, device_ids=ids)
         handle = apply_policy(module, policy, mode=run_mode)
-        loop = _Loop(spec, data, module, model, optimizer, scaler, dev, rank, world, log)
+        loop = TrainLoop(spec, data, module, model, optimizer, scaler, dev, rank, world, log)
         val = None
 
         def save() -> None:
-            overflows = prior_overflows + _sum_over_ranks(handle.totals()["overflows"], dev)
-            _save_checkpoint(
+            overflows = prior_overflows + sum_over_ranks(handle.totals()["overflows"], dev)
+            save_checkpoint(
                 path, module, optimizer, scaler, step, config, history, val_history, overflows, dev
             )
 
@@ -306,7 +295,7 @@ def train(
                 for i in range(first, steps_per_epoch * grad_accum)
             ]
             for group_start in range(0, len(micro), grad_accum):
-                if _any_rank(stop, dev):  # a step boundary: the state is whole
+                if any_rank(stop, dev):  # a step boundary: the state is whole
                     if path is not None and saved_at != step:
                         save()
                     raise TrainInterrupted(step, total, path)
@@ -343,7 +332,7 @@ def train(
 
         if val is None:  # resumed at (or past) the end: nothing trained, validate once
             val = loop.validate()
-        overflows = prior_overflows + _sum_over_ranks(handle.totals()["overflows"], dev)
+        overflows = prior_overflows + sum_over_ranks(handle.totals()["overflows"], dev)
         if own_group:
             dist.barrier()  # no rank tears the group down while another still talks to it
         return TrainResult(
@@ -370,138 +359,16 @@ def train(
             dist.destroy_process_group()
 
 
-# --- the loop ---------------------------------------------------------------------------------
-class _Loop:
-    """One optimizer step, validation and rank-0 logging, over a (possibly DDP) model."""
-
-    def __init__(
-        self,
-        spec: Any,
-        data: Any,
-        module: nn.Module,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        scaler: LossScaler,
-        dev: torch.device,
-        rank: int,
-        world: int,
-        log: LogFn | None,
-    ) -> None:
-        self.spec, self.data = spec, data
-        self.module, self.model = module, model
-        self.optimizer, self.scaler = optimizer, scaler
-        self.dev, self.rank, self.world, self.log = dev, rank, world, log
-
-    def step(self, dataset: Dataset, micro: list[list[int]]) -> float:
-        """Accumulate gradients over ``micro`` (index lists), then one scaled optimizer step."""
-        self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        total = torch.zeros((), device=self.dev)
-        for i, idx in enumerate(micro):
-            x, y = _batch(dataset, idx)
-            x, y = x.to(self.dev, non_blocking=True), y.to(self.dev, non_blocking=True)
-            last = i == len(micro) - 1
-            sync = contextlib.nullcontext()
-            if self.world > 1 and not last:
-                sync = self.model.no_sync()  # all-reduce once, on the last micro-batch
-            with sync:
-                loss = self.spec.loss(self.model(x), y)
-                self.scaler.scale(loss / len(micro)).backward()
-            total += loss.detach()
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        mean = total / len(micro)
-        if self.world > 1:
-            dist.all_reduce(mean)
-            mean /= self.world
-        return float(mean)
-
-    @torch.no_grad()
-    def validate(self) -> dict[str, float]:
-        """Loss and accuracy over the val split, each process scoring every world-th example."""
-        if self.world > 1:  # BatchNorm statistics of rank 0, as in the checkpoint
-            for buf in self.module.buffers():
-                dist.broadcast(buf, 0)
-        self.module.eval()
-        val = self.data.split("val")
-        idx = list(range(self.rank, len(val), self.world))
-        sums = torch.zeros(4, dtype=torch.float64, device=self.dev)
-        for i in range(0, len(idx), VAL_BATCH):
-            x, y = _batch(val, idx[i : i + VAL_BATCH])
-            x, y = x.to(self.dev), y.to(self.dev)
-            out = self.module(x)
-            pred = self.spec.logits(out).argmax(-1)
-            sums += torch.tensor(
-                [
-                    float(self.spec.loss(out, y)) * len(x),
-                    len(x),
-                    float((pred == y).sum()),
-                    y.numel(),
-                ],
-                dtype=torch.float64,
-                device=self.dev,
-            )
-        if self.world > 1:
-            dist.all_reduce(sums)
-        self.module.train()
-        loss_sum, count, correct, labels = sums.tolist()
-        return {"val_loss": loss_sum / max(count, 1), "val_accuracy": correct / max(labels, 1)}
-
-    def emit(self, step: int, metrics: dict[str, float]) -> None:
-        if self.log is not None and self.rank == 0:
-            self.log(step, metrics)
-
-
-def _batch(dataset: Dataset, idx: list[int]) -> tuple[Tensor, Tensor]:
-    if isinstance(dataset, TensorDataset):
-        x, y = dataset.tensors
-        index = torch.tensor(idx, dtype=torch.long)
-        return x[index], y[index]
-    x, y = default_collate([dataset[i] for i in idx])
-    return x, y
-
-
-def _any_rank(stop: StopFn | None, dev: torch.device) -> bool:
-    """``stop()``, true on every process once it is true on one (a collective under DDP)."""
-    if stop is None:
-        return False
-    flag = bool(stop())
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        t = torch.tensor([int(flag)], dtype=torch.int64, device=dev)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        flag = bool(t.item())
-    return flag
-
-
-def _sum_over_ranks(value: int, dev: torch.device) -> int:
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.int64, device=dev)
-    dist.all_reduce(t)
-    return int(t.item())
-
-
-# --- checks -----------------------------------------------------------------------------------
 def _check_settings(
-    steps: int | None,
-    epochs: int | None,
-    batch_size: int,
-    lr: float,
-    momentum: float,
-    grad_accum: int,
-    checkpoint_every: int | None,
+    counts: dict[str, int | None], checkpoint_every: int | None, lr: float, momentum: float
 ) -> None:
+    """``counts``: ``steps``, ``epochs``, ``batch_size`` and ``grad_accum``."""
+    steps, epochs = counts["steps"], counts["epochs"]
     if steps is not None and epochs is not None:
         raise TrainConfigError(
             f"give steps or epochs, not both (got steps={steps}, epochs={epochs})"
         )
-    for name, value in (
-        ("steps", steps),
-        ("epochs", epochs),
-        ("batch_size", batch_size),
-        ("grad_accum", grad_accum),
-        ("checkpoint_every", checkpoint_every),
-    ):
+    for name, value in {**counts, "checkpoint_every": checkpoint_every}.items():
         if value is None and name in ("steps", "epochs", "checkpoint_every"):
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -528,11 +395,10 @@ def _pick_device(device: str | torch.device | None, local_rank: int | None) -> t
 
 
 def _pick_mode(mode: str, dev: torch.device) -> str:
-    if mode not in MODES:
-        raise TrainConfigError(f"unknown runtime mode {mode!r}; expected one of {', '.join(MODES)}")
-    if mode == "auto":
-        return "native" if dev.type == "cuda" else "emulate"
-    return mode
+    try:
+        return resolve_mode(mode, dev.type)
+    except ValueError as err:  # a user's setting: the one-line error of the other settings
+        raise TrainConfigError(str(err)) from None
 
 
 def _check_policy(spec: Any, policy: PrecisionPolicy, dev: torch.device, mode: str) -> None:
@@ -553,92 +419,3 @@ def _check_policy(spec: Any, policy: PrecisionPolicy, dev: torch.device, mode: s
         f"the policy does not fit model {getattr(spec, 'name', '?')!r}{where} ({origin}): "
         f"{problems}"
     )
-
-
-# --- checkpoints ------------------------------------------------------------------------------
-def _rng_state(dev: torch.device) -> dict[str, Tensor | None]:
-    cuda = torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None
-    return {"cpu": torch.get_rng_state(), "cuda": cuda}
-
-
-def _set_rng(state: dict[str, Tensor | None], dev: torch.device) -> None:
-    torch.set_rng_state(state["cpu"])
-    if dev.type == "cuda" and state.get("cuda") is not None:
-        torch.cuda.set_rng_state(state["cuda"], dev)
-
-
-def _save_checkpoint(
-    path: Path,
-    module: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scaler: Any,
-    step: int,
-    config: dict[str, Any],
-    history: list[float],
-    val_history: list[dict[str, float]],
-    overflows: int,
-    dev: torch.device,
-) -> None:
-    """Every rank hands in its RNG state (a collective); rank 0 writes the file atomically."""
-    rng = [_rng_state(dev)]
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        rng = [None] * dist.get_world_size()
-        dist.all_gather_object(rng, _rng_state(dev))
-        if dist.get_rank() != 0:
-            return
-    state = {
-        "version": CHECKPOINT_VERSION,
-        "step": step,
-        "model": module.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "scaler": scaler.state_dict(),
-        "rng": [{k: (v.cpu() if v is not None else None) for k, v in r.items()} for r in rng],
-        "train_loss": list(history),
-        "val_history": [dict(v) for v in val_history],
-        "overflows": overflows,
-        "config": config,
-    }
-    write_atomic(path, lambda fh: torch.save(state, fh), binary=True)
-
-
-def _load_checkpoint(
-    path: Path | None, config: dict[str, Any], rank: int, world: int
-) -> dict[str, Any] | None:
-    """Rank 0 reads ``path`` (if it exists) and hands it to the other ranks."""
-    ckpt = None
-    problem = None
-    if path is not None and rank == 0 and path.exists():
-        try:
-            ckpt = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as err:  # noqa: BLE001 - any unreadable file gets the same advice
-            problem = f"cannot read {path}: {err}".replace("\n", " ")
-        else:
-            problem = _resume_problem(ckpt, config, path)
-    if world > 1:
-        box = [(ckpt, problem)]
-        dist.broadcast_object_list(box, src=0)
-        ckpt, problem = box[0]
-    if problem:
-        raise CheckpointError(problem)
-    return ckpt
-
-
-def _resume_problem(ckpt: Any, config: dict[str, Any], path: Path) -> str | None:
-    fix = f"use another checkpoint folder, or delete {path} to start afresh"
-    if not isinstance(ckpt, dict) or ckpt.get("version") != CHECKPOINT_VERSION:
-        return (
-            f"{path} is not an autoprec training checkpoint (version {CHECKPOINT_VERSION}); {fix}"
-        )
-    saved = ckpt["config"]
-    if saved.get("fingerprint") != config["fingerprint"]:
-        return f"{path} was written for another model architecture; {fix}"
-    if saved.get("policy") != config["policy"]:
-        return f"{path} was written with another policy ({saved.get('policy')}); {fix}"
-    changed = [
-        f"{key} {saved.get(key)!r} -> {config[key]!r}"
-        for key in _RESUME_KEYS
-        if saved.get(key) != config[key]
-    ]
-    if changed:
-        return f"{path} was written with other settings ({', '.join(changed)}); {fix}"
-    return None

@@ -1,7 +1,8 @@
 """The precision inference engine: layer analysis and per-layer sensitivity.
 
 - :mod:`.table`: ``LayerTable``/``LayerRow``, plain data (no torch).
-- :mod:`.cache`: tables on disk; ``analyze_named`` reads a cached table without torch.
+- :mod:`.cache`: tables on disk, under keys computed without torch.
+- :mod:`.named`: ``analyze_named`` reads a cached table by model name without torch.
 - :mod:`.analyze`: ``analyze(spec, batch) -> LayerTable`` (FLOPs, bytes, position, geometry).
 - :mod:`.trace`: the modes that record one training step for it (layers found by parameter).
 - :mod:`.grade`: ``sensitivity(spec, data, formats) -> SensitivityTable``.
@@ -12,12 +13,12 @@ The table and the cache load with the package; the names that need torch load on
 
 from __future__ import annotations
 
-import importlib
 import sys
 import types
 from typing import TYPE_CHECKING, Any
 
-from autoprec.graph.cache import analyze_named
+from autoprec._lazy import lazy_getattr
+from autoprec.graph.named import analyze_named
 from autoprec.graph.table import FLOP_UNIT, LayerRow, LayerTable
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -47,12 +48,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(globals(), _LAZY)
 
 
 class _Package(types.ModuleType):

@@ -1,4 +1,4 @@
-"""The analysis cache: layer tables on disk, and a torch-free way back to them by model name.
+"""The analysis cache: layer tables on disk, under keys that a torch-free caller can compute.
 
 Entries live under ``$AUTOPREC_CACHE_DIR/analysis`` as ``{"key": [...], "table": {...}}``, one
 JSON file named by a digest of its key. There are two kinds of key:
@@ -6,11 +6,11 @@ JSON file named by a digest of its key. There are two kinds of key:
 - **by module** (:func:`~autoprec.graph.analyze` with ``cache=True``): the model name, its
   fingerprint (module names, types and parameter shapes), the input and target shapes and dtypes,
   and the torch version. Computing it needs the built module, so torch.
-- **by name** (:func:`analyze_named`): the registry name and build arguments, the batch size,
-  the installed torch, torchvision and transformers versions (read with ``importlib.metadata``)
-  and a digest of the sources that build and analyse models. Computing it needs only the
-  arguments, so a hit costs no torch import: ``autoprec hardware estimate`` then runs on the
-  cached table alone.
+- **by name** (:func:`named_key`, used by :func:`~autoprec.graph.named.analyze_named`): the
+  registry name and build arguments, the batch size, the installed torch, torchvision and
+  transformers versions (read with ``importlib.metadata``) and a digest of the sources that build
+  and analyse models. Computing it needs only the arguments, so a hit costs no torch import:
+  ``autoprec hardware estimate`` then runs on the cached table alone.
 
 Both carry :data:`~autoprec.graph.table.TABLE_VERSION`. An entry whose stored key differs from
 the one asked for counts as missing: it is recomputed and replaced; one that is not valid JSON
@@ -93,47 +93,3 @@ def named_key(
     versions, sources = _environment()
     build = {"num_classes": num_classes, "image_size": image_size, "batch_size": batch_size}
     return [TABLE_VERSION, "by-name", name.lower(), build, versions, sources]
-
-
-def analyze_named(
-    model: str, batch_size: int, *, num_classes: int = 1000, image_size: int | None = None
-) -> LayerTable:
-    """The layer table of a model from the registry, at ``batch_size``, through the cache.
-
-    A cached table is read without importing torch. Otherwise the model is built (on the meta
-    device when it can be: only shapes matter, and random initialisation is the slow part),
-    analysed with :func:`~autoprec.graph.analyze` (``cache=True``) and stored by name.
-
-    Args:
-        model: a name :func:`autoprec.models.load_model` knows.
-        batch_size: the batch the table is for; the table is measured at this batch, so the
-            cost model need not scale it (the traffic of small per-layer tensors such as
-            normalisation parameters does not grow with the batch).
-        num_classes: size of the classification head.
-        image_size: input image side; None keeps the model's default.
-
-    Raises:
-        autoprec.models.ModelError: the model cannot be built as asked (unknown name, image size).
-    """
-    key = named_key(model, batch_size, num_classes, image_size)
-    table = read_entry(key) if key is not None else None
-    if table is not None:
-        return table
-    import torch
-
-    from autoprec.graph.analyze import AnalysisError, analyze
-    from autoprec.models import load_model
-
-    build = {"num_classes": num_classes, "image_size": image_size}
-    try:
-        with torch.device("meta"):
-            spec = load_model(model, **build)
-    except (RuntimeError, NotImplementedError, TypeError, ValueError):
-        spec = load_model(model, **build)  # a model that cannot be built on meta (or a user error)
-    try:
-        table = analyze(spec, batch_size, cache=True)
-    except AnalysisError:  # its forward cannot run on meta: build it for real, run on the CPU
-        table = analyze(load_model(model, **build), batch_size, cache=True)
-    if key is not None:
-        write_entry(key, table)
-    return table

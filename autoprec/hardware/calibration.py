@@ -18,6 +18,7 @@ from typing import Any
 
 from autoprec.cache import cache_dir, write_atomic
 from autoprec.hardware.database import DeviceSpec, detect, get_device
+from autoprec.hardware.factors import Efficiency, fill_compute
 
 __all__ = ["Calibration", "calibrate", "load_calibration", "load_efficiency", "calibration_path"]
 
@@ -154,17 +155,15 @@ def load_calibration(device_name: str) -> Calibration | None:
         return None
 
 
-def load_efficiency(device_name: str):
+def load_efficiency(device_name: str) -> Efficiency | None:
     """Efficiency factors from a stored calibration (None without one), for the cost model.
 
     Precisions the calibration could not measure (fp8, tf32 on a CPU) take their default scaled
-    as the nearest wider measured precision is (``autoprec.hardware.efficiency.fill_compute``).
+    as the nearest wider measured precision is (:func:`~autoprec.hardware.factors.fill_compute`).
     """
     calibration = load_calibration(device_name)
     if calibration is None:
         return None
-    from autoprec.hardware.efficiency import Efficiency, fill_compute
-
     try:
         supported = get_device(device_name).supported_precisions
     except ValueError:  # a calibration of a device the database no longer knows

@@ -15,96 +15,26 @@ measured at 80% of peak on bf16 matmuls is assumed to sit as far above the fp8 d
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from autoprec.precision import PRECISION_NAMES, parse_precision
+from autoprec.hardware.factors import (
+    DEFAULT_COMPUTE_EFFICIENCY,
+    CostModelError,
+    Efficiency,
+    fill_compute,
+)
 
 if TYPE_CHECKING:
     from autoprec.hardware.database import DeviceSpec
 
-#: Default fraction of dense peak reached by a layer's matrix work. Round figures, not
-#: measurements: large GEMMs reach ~70-90% of peak in NVIDIA's cuBLAS/matmul performance guides,
-#: whole training steps reach ~40-60% model-FLOPs utilisation in MLPerf Training submissions; we
-#: sit between the two. fp8 is lower because real fp8 speedups over bf16 (Transformer Engine
-#: material) are ~1.3-1.5x rather than 2x. Calibrate on the target for real numbers.
-DEFAULT_COMPUTE_EFFICIENCY: Mapping[str, float] = MappingProxyType(
-    {"fp32": 0.7, "tf32": 0.6, "bf16": 0.6, "fp16": 0.6, "fp8": 0.5}
-)
-
-
-class CostModelError(ValueError):
-    """The cost model cannot estimate this device, precision or setting."""
-
-
-@dataclass(frozen=True)
-class Efficiency:
-    """Fraction of peak actually reached.
-
-    Args:
-        compute: achieved / dense peak FLOP/s per precision; precisions not given take
-            :data:`DEFAULT_COMPUTE_EFFICIENCY`.
-        bandwidth: achieved / peak memory bandwidth (0.8: STREAM-like copies reach ~80-90% of
-            HBM peak).
-        kernel_overhead_s: fixed launch and dispatch cost per kernel (~5 us for a CUDA launch
-            plus PyTorch dispatch).
-    """
-
-    compute: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_COMPUTE_EFFICIENCY))
-    bandwidth: float = 0.8
-    kernel_overhead_s: float = 5e-6
-
-    def __post_init__(self) -> None:
-        merged = dict(DEFAULT_COMPUTE_EFFICIENCY)
-        for key, value in dict(self.compute).items():
-            merged[parse_precision(key).value] = _fraction(value, f"efficiency.compute.{key}")
-        object.__setattr__(self, "compute", merged)
-        object.__setattr__(self, "bandwidth", _fraction(self.bandwidth, "efficiency.bandwidth"))
-        overhead = self.kernel_overhead_s
-        if not _is_number(overhead) or not math.isfinite(overhead) or overhead < 0:
-            raise CostModelError(f"efficiency.kernel_overhead_s must be >= 0, got {overhead!r}")
-
-    def __hash__(self) -> int:
-        return hash((tuple(sorted(self.compute.items())), self.bandwidth, self.kernel_overhead_s))
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready fields."""
-        return {
-            "compute": dict(self.compute),
-            "bandwidth": self.bandwidth,
-            "kernel_overhead_s": self.kernel_overhead_s,
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Efficiency:
-        """Inverse of :meth:`to_dict` (missing fields take their defaults)."""
-        return cls(
-            **{k: data[k] for k in ("compute", "bandwidth", "kernel_overhead_s") if k in data}
-        )
-
-
-def fill_compute(measured: Mapping[str, float], precisions: tuple[str, ...]) -> dict[str, float]:
-    """Compute efficiencies for ``precisions`` from the measured ones (see the module docstring).
-
-    Args:
-        measured: achieved / dense peak per measured precision.
-        precisions: the precisions to fill (the device's supported ones).
-    """
-    out = {parse_precision(p).value: float(v) for p, v in measured.items()}
-    if not out:
-        return out
-    for p in precisions:
-        if p in out:
-            continue
-        wider = [q for q in reversed(PRECISION_NAMES[: PRECISION_NAMES.index(p)]) if q in out]
-        if wider:
-            out[p] = (
-                DEFAULT_COMPUTE_EFFICIENCY[p] * out[wider[0]] / DEFAULT_COMPUTE_EFFICIENCY[wider[0]]
-            )
-    return out
+__all__ = [
+    "DEFAULT_COMPUTE_EFFICIENCY",
+    "CostModelError",
+    "Efficiency",
+    "default_efficiency",
+    "fill_compute",
+    "published_efficiency",
+]
 
 
 def published_efficiency(device: DeviceSpec) -> Efficiency:
@@ -119,13 +49,3 @@ def default_efficiency(device: DeviceSpec) -> Efficiency:
 
     found = load_efficiency(device.name)
     return found if found is not None else published_efficiency(device)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _fraction(value: object, what: str) -> float:
-    if not _is_number(value) or not math.isfinite(value) or value <= 0:
-        raise CostModelError(f"{what} must be a fraction of peak > 0, e.g. 0.6; got {value!r}")
-    return float(value)

@@ -1,7 +1,7 @@
 """Per-layer casting state for the emulate mode: the formats a layer's tensors take, at the
 boundaries where the native program casts them, and the overflow/underflow counts the guard reads.
 
-Emulation reproduces the native program of each precision (DESIGN.md, "Runtime"): the layer's own
+Emulation reproduces the native program of each precision (docs/architecture.md): the layer's own
 fp32 computation runs on operands rounded as native hardware reads them, and its results are
 rounded to the dtype native code stores them in. Per precision:
 
