@@ -11,8 +11,9 @@ Example:
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from autoprec._lazy import lazy_getattr
 
 __version__ = "0.1.0"
 
@@ -24,6 +25,7 @@ _EXPORTS = {
     "CostModel": "autoprec.hardware",
     "DeviceSpec": "autoprec.hardware",
     "Evaluator": "autoprec.evaluate",
+    "EvaluatorConfig": "autoprec.evaluate",
     "default_policy": "autoprec.hardware",
     "fake_quantize": "autoprec.kernels",
     "Format": "autoprec.kernels",
@@ -39,6 +41,8 @@ _EXPORTS = {
     "load_policy": "autoprec.policy_io",
     "LossScaler": "autoprec.runtime",
     "Metrics": "autoprec.evaluate",
+    "ReferenceDivergedError": "autoprec.evaluate",
+    "RewardConfig": "autoprec.evaluate",
     "LossScalingConfig": "autoprec.policy",
     "model_fingerprint": "autoprec.layers",
     "ModelSpec": "autoprec.models",
@@ -64,7 +68,10 @@ if TYPE_CHECKING:  # pragma: no cover
     )
     from autoprec.evaluate import (  # noqa: F401
         Evaluator,
+        EvaluatorConfig,
         Metrics,
+        ReferenceDivergedError,
+        RewardConfig,
     )
     from autoprec.graph import (  # noqa: F401
         LayerTable,
@@ -117,12 +124,7 @@ if TYPE_CHECKING:  # pragma: no cover
     )
 
 
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'autoprec' has no attribute {name!r}")
+__getattr__ = lazy_getattr(globals(), _EXPORTS)
 
 
 def __dir__() -> list[str]:

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 # The data every command fine-tunes on when none is named (search, analyze, migrate, train,
-# PrecisionEnv): the random-teacher image task, not digits. On digits a resnet18 is near 93%
-# after the warm start, its loss sits on a few hard examples, and a short fine-tune ranks
-# random policies differently from one batch order to the next (Spearman -0.25 at 10 steps,
-# -0.20 at 30); on `teacher` at 10 steps the same measurement repeats at 0.83
-# (docs/benchmarks.md, "Policy evaluator", experiments/bench_evaluator.py).
+# PrecisionEnv): the random-teacher image task, not digits. On digits a warmed-up resnet18 is
+# already near its best, its loss sits on a few hard examples, and a short fine-tune ranks
+# random policies differently from one batch order to the next; on `teacher` the ranking
+# repeats (docs/benchmarks.md, "Policy evaluator", written by experiments/bench_evaluator.py).
 DEFAULT_DATASET = "teacher"

@@ -20,20 +20,18 @@ Target h100-sxm, torchvision models at 32x32, a fresh cache folder per (model, d
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import tempfile
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
-from benchlib import provenance, write_section
+from benchlib import invocation, parse_args, provenance, timed, write_section
 from scipy.stats import spearmanr
 
 from autoprec.data import load_dataset_for
 from autoprec.defaults import DEFAULT_DATASET
-from autoprec.evaluate import Evaluator
+from autoprec.evaluate import Evaluator, EvaluatorConfig
 from autoprec.layers import tunable_layers
 from autoprec.models import load_model
 
@@ -46,47 +44,20 @@ class Args:
     rank_models: list[str] = field(default_factory=lambda: ["tinycnn", "resnet18"])
     timing_models: list[str] = field(default_factory=lambda: ["tinycnn", "resnet18", "resnet50"])
     datasets: list[str] = field(default_factory=lambda: [DEFAULT_DATASET, "digits"])
-    steps: list[int] = field(default_factory=lambda: [10, 30])
+    steps: list[int] = field(
+        default_factory=lambda: [10, 30], metadata={"help": "short steps compared"}
+    )
     seeds: int = 3
     policies: int = 30
     target: str = "h100-sxm"
-    cache_root: str | None = None
-    write_docs: bool = False
-
-
-def parse() -> Args:
-    a = Args()
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rank-models", nargs="*", default=a.rank_models)
-    p.add_argument("--timing-models", nargs="*", default=a.timing_models)
-    p.add_argument("--datasets", nargs="+", default=a.datasets)
-    p.add_argument("--steps", nargs="+", type=int, default=a.steps, help="short steps compared")
-    p.add_argument("--seeds", type=int, default=a.seeds)
-    p.add_argument("--policies", type=int, default=a.policies)
-    p.add_argument(
-        "--cache-root",
+    cache_root: str | None = field(
         default=None,
-        help="keep the evaluations of steps 2-4 in DIR/<model>-<dataset> (a rerun reuses them); "
-        "the wall times of step 1 always use a fresh folder",
+        metadata={
+            "help": "keep the evaluations of steps 2-4 in DIR/<model>-<dataset> (a rerun reuses "
+            "them); the wall times of step 1 always use a fresh folder"
+        },
     )
-    p.add_argument("--write-docs", action="store_true")
-    ns = p.parse_args()
-    return Args(
-        rank_models=ns.rank_models,
-        timing_models=ns.timing_models,
-        datasets=ns.datasets,
-        steps=ns.steps,
-        seeds=ns.seeds,
-        policies=ns.policies,
-        cache_root=ns.cache_root,
-        write_docs=ns.write_docs,
-    )
-
-
-def timed(fn):
-    start = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - start
+    write_docs: bool = False
 
 
 def setup(name: str, dataset: str, root: str | None = None):
@@ -113,17 +84,17 @@ def rho(a, b) -> float:
 
 
 def main() -> None:
-    args = parse()
+    args = parse_args(Args, __doc__.splitlines()[0])
     cost_rows, noise_rows, rank_rows = [], [], []
     for name in args.timing_models:
         for dataset in args.datasets:
             spec, data, cache = setup(name, dataset)
             ev = Evaluator(spec, data, target=args.target, cache_dir=cache)
-            _, t_ref = timed(ev.reference)
-            _, t_short = timed(lambda ev=ev: ev.evaluate("bf16"))
-            _, t_full = timed(lambda ev=ev: ev.evaluate("bf16", fidelity="full"))
-            _, t_sur_first = timed(lambda ev=ev: ev.evaluate("fp16", fidelity="surrogate"))
-            _, t_sur = timed(lambda ev=ev: ev.evaluate("fp8", fidelity="surrogate"))
+            t_ref = timed(ev.reference)
+            t_short = timed(lambda ev=ev: ev.evaluate("bf16"))
+            t_full = timed(lambda ev=ev: ev.evaluate("bf16", fidelity="full"))
+            t_sur_first = timed(lambda ev=ev: ev.evaluate("fp16", fidelity="surrogate"))
+            t_sur = timed(lambda ev=ev: ev.evaluate("fp8", fidelity="surrogate"))
             n_layers = len(list(tunable_layers(spec.module)))
             cost_rows.append(
                 f"| {name} | {dataset} | {n_layers} | {t_ref:.1f} | {t_short:.1f} "
@@ -180,22 +151,17 @@ def main() -> None:
                 )
                 print(rank_rows[-1], flush=True)
 
-    command = (
-        "python experiments/bench_evaluator.py "
-        + " ".join(["--rank-models", *args.rank_models, "--timing-models", *args.timing_models])
-        + " "
-        + " ".join(["--datasets", *args.datasets, "--steps", *map(str, args.steps)])
-        + f" --seeds {args.seeds} --policies {args.policies}"
-        + (f" --cache-root {args.cache_root}" if args.cache_root else "")
-        + " --write-docs"
-    )
-    header = provenance(command) + (
+    cfg = EvaluatorConfig()
+    budget, copies = cfg.steps_by_fidelity, cfg.replicates_by_fidelity
+    header = provenance(invocation(__file__)) + (
         f"Target {args.target}; torchvision models at 32x32; a fresh cache folder per model and "
-        "dataset. Evaluator defaults: 200 fp32 warm-start steps (SGD lr 0.05, momentum 0.9) at "
-        "batch 32; `short` = one fine-tune of 10 steps, `full` = three of 30 (averaged), at "
-        "batch 32, SGD lr 0.01 without momentum; scored by the loss over the whole training "
-        "split with the policy applied. The surrogate's sensitivity table is measured on the "
-        "same warm start."
+        f"dataset. Evaluator defaults: {cfg.warm_start_steps} fp32 warm-start steps (SGD lr "
+        f"{cfg.lr:g}, momentum 0.9) at batch {cfg.batch_size}; `short` = {copies['short']} "
+        f"fine-tune(s) of {budget['short']} steps, `full` = {copies['full']} of "
+        f"{budget['full']} (averaged), at batch {cfg.batch_size}, SGD lr "
+        f"{cfg.resolved_finetune_lr:g}, momentum {cfg.momentum:g}; scored by the loss over the "
+        "whole training split with the policy applied. The surrogate's sensitivity table is "
+        "measured on the same warm start."
     )
     body = "\n".join(
         [

@@ -38,11 +38,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from autoprec.precision import Precision, parse_precision
+
+if TYPE_CHECKING:
+    from autoprec.graph.grade import Sensitivity
 
 NONFINITE_LOSS_DELTA = 10.0  # loss delta given to a table entry that is inf or nan
 SHARED_PRIOR_RATIO = 30.0  # prior sd of a[p] / largest tau
@@ -55,11 +58,19 @@ DEFAULT_NOISE_RATIO = 1.0
 TAU_FLOOR = 1e-9
 
 
+def _prior_change(entry: Sensitivity | None) -> float:
+    """The one-layer loss change the prior starts from: :data:`NONFINITE_LOSS_DELTA` for a
+    layer that diverged on its own, 0 for a pair the table did not grade."""
+    if entry is None:
+        return 0.0
+    return entry.loss_delta if math.isfinite(entry.loss_delta) else NONFINITE_LOSS_DELTA
+
+
 class Surrogate:
     """Additive Bayesian predictor of ``loss_delta`` (see the module docstring).
 
     Args:
-        table: a SensitivityTable (``layers``, ``precisions``, ``matrix(...)``).
+        table: a SensitivityTable (``layers``, ``precisions``, ``entry(layer, precision)``).
         noise_ratio: observation noise relative to the largest per-layer prior scale; larger
             trusts the sensitivity prior more and the real evaluations less.
 
@@ -83,15 +94,13 @@ class Surrogate:
         self.precisions = tuple(p for p in graded if p is not Precision.FP32)
         self._precision_index = {p: j for j, p in enumerate(self.precisions)}
         n_layers, n_prec = len(self.layers), len(self.precisions)
-        s = np.zeros((n_layers, n_prec))
-        loss = table.matrix("loss_delta")
-        for j_table, p in enumerate(graded):
-            if p is Precision.FP32:
-                continue
-            column = [row[j_table] for row in loss]
-            s[:, self._precision_index[p]] = [
-                v if math.isfinite(v) else NONFINITE_LOSS_DELTA for v in column
-            ]
+        s = np.array(
+            [
+                [_prior_change(table.entry(layer, p)) for p in self.precisions]
+                for layer in self.layers
+            ],
+            dtype=float,
+        ).reshape(n_layers, n_prec)
         self.prior = np.concatenate([s.sum(axis=0), np.zeros(n_layers * n_prec)])
         rms = np.sqrt(np.mean(s**2, axis=0)) if n_layers else np.zeros(n_prec)
         tau = np.maximum(rms, TAU_FLOOR)

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from autoprec.evaluate import Evaluator, Metrics
+from autoprec.evaluate import Evaluator, EvaluatorConfig, Metrics, ReferenceDivergedError
 from autoprec.layers import tunable_layers
 
 SMALL = {"steps": 6, "warm_start_steps": 30}
@@ -100,10 +100,9 @@ def test_same_policy_in_fresh_evaluators_is_deterministic(spec, data, tmp_path):
 
 
 def test_fp8_moves_the_loss_more_than_bf16_on_tinycnn(spec, data):
-    # Default steps and warm start, init seed 0 (deterministic). With torchao's tensorwise
-    # recipe (scales from the current amax) fp8 no longer hurts here as delayed scaling did
-    # (bf16 loss_delta 0.014, fp8 0.96 then); measured now: bf16 -0.0032, fp8 -0.0089. Three
-    # mantissa bits still move the fine-tune further from fp32's than seven do.
+    # Default steps and warm start, init seed 0 (deterministic). Even with scales taken from
+    # the current amax (torchao's tensorwise recipe), three mantissa bits move the fine-tune
+    # further from fp32's than seven do.
     # fp8 on tinycnn's convolutions is a study of formats (emulate target mode): natively the
     # H100 has no fp8 convolution, so there the same policy is infeasible
     ev = Evaluator(spec, data, "h100-sxm", target_mode="emulate")
@@ -151,11 +150,11 @@ def test_other_initial_weights_get_their_own_warm_start(spec, data):
     same = Evaluator(copy.deepcopy(spec), data, TARGET, **SMALL)
     other = Evaluator(load_model("tinycnn", num_classes=10, seed=7), data, TARGET, **SMALL)
     assert a.warm_start_path == same.warm_start_path != other.warm_start_path
-    assert a._key(a._as_policy("bf16"), "short") != other._key(other._as_policy("bf16"), "short")
+    assert a.settings_key == same.settings_key != other.settings_key
 
 
 def test_replicates_average_fine_tunes_on_batches_of_their_own(spec, data):
-    from autoprec.evaluate.evaluator import REPLICATE_SEED_STRIDE
+    from autoprec.evaluate.config import REPLICATE_SEED_STRIDE
 
     single = [
         Evaluator(spec, data, TARGET, batch_seed=s, **SMALL).evaluate("fp8")
@@ -201,9 +200,64 @@ def test_a_calibration_changes_the_cache_key(spec, data):
     path.write_text(json.dumps(calibration.to_dict()))
     try:
         after = Evaluator(spec, data, TARGET, **SMALL)
-        assert after._cost.efficiency.bandwidth == 0.5
-        assert after._settings_key != before._settings_key
+        assert after._costs.model.efficiency.bandwidth == 0.5
+        assert after.settings_key != before.settings_key
         again = Evaluator(spec, data, TARGET, **SMALL)
-        assert again._settings_key == after._settings_key  # the key is still deterministic
+        assert again.settings_key == after.settings_key  # the key is still deterministic
     finally:
         path.unlink()
+
+
+def test_a_config_is_the_same_evaluator_as_its_keywords(spec, data):
+    config = EvaluatorConfig(**SMALL)
+    by_config = Evaluator(spec, data, TARGET, config=config)
+    by_keywords = Evaluator(spec, data, TARGET, **SMALL)
+    assert by_config.config == by_keywords.config == config
+    assert by_config.settings_key == by_keywords.settings_key
+    assert by_config.evaluate("bf16") == by_keywords.evaluate("bf16")
+    assert by_keywords.runs == 0  # served from the cache the first one filled
+    # keywords replace the config's settings; the default fidelity is not part of the key
+    other = Evaluator(spec, data, TARGET, "full", config=config, momentum=0.5)
+    assert other.config == dataclasses.replace(config, fidelity="full", momentum=0.5)
+    assert other.settings_key != by_config.settings_key
+    full = Evaluator(spec, data, TARGET, "full", config=config)
+    assert full.settings_key == by_config.settings_key
+    # a None and the value it stands for are one setting
+    resolved = dataclasses.replace(config, finetune_lr=None, lr=0.01, cost_batch_size=32)
+    assert resolved.canonical() == dataclasses.replace(config, lr=0.01).canonical()
+    assert by_config.steps == {"short": 6, "full": 30} and by_config.finetune_lr == 0.01
+    with pytest.raises(ValueError, match="target_mode"):
+        EvaluatorConfig(target_mode="auto")
+
+
+def test_the_runnability_table_is_part_of_the_key(spec, data):
+    ev = Evaluator(spec, data, TARGET, **SMALL)
+    identity = ev._cache.identity
+    assert set(identity.costs["runnability"]) == {"float8", "rules"}
+    changed = {**identity.costs, "runnability": {"float8": True, "rules": "another table"}}
+    assert dataclasses.replace(identity, costs=changed).key() != ev.settings_key
+
+
+def test_a_diverging_reference_is_a_clear_error(spec, data, monkeypatch):
+    ev = Evaluator(spec, data, TARGET, **SMALL)
+    loss = spec.loss
+    monkeypatch.setattr(spec, "loss", lambda out, y: loss(out, y) * float("nan"))
+    with pytest.raises(ReferenceDivergedError, match="fp32 reference run diverged") as err:
+        ev.evaluate("bf16")
+    assert isinstance(err.value, ValueError) and "\n" not in str(err.value)
+
+
+def test_surrogate_episodes_price_fp32_and_amp_once(spec, data):
+    ev = Evaluator(spec, data, TARGET, **SMALL)
+    ev.evaluate("bf16", fidelity="surrogate")  # builds the table, the reference, the surrogate
+    step = ev._costs.model.step
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return step(*args, **kwargs)
+
+    ev._costs.model.step = counted
+    for policy in ("fp16", {"conv1": "bf16"}, "tf32"):
+        ev.evaluate(policy, fidelity="surrogate")
+    assert len(calls) == 3  # the policy's own estimate only

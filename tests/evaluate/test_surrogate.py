@@ -11,6 +11,7 @@ import pytest
 from autoprec.evaluate import Evaluator
 from autoprec.evaluate.surrogate import SHARED_PRIOR_RATIO, Surrogate
 from autoprec.graph.grade import SensitivityTable
+from autoprec.policy import PrecisionPolicy
 
 SMALL = {"steps": 6, "warm_start_steps": 30}
 TARGET = "a100-40gb-sxm"
@@ -137,7 +138,8 @@ def test_surrogate_fidelity_is_fast_finite_ordered_and_not_stored(spec, data):
         assert predicted == pytest.approx(min(max(summed, -0.99), 9.0))
     assert fp32.loss_delta == 0.0
     assert not fp8.feasible  # no fp8 on an A100: flagged as for real runs
-    assert ev._store.get(ev._key(ev._as_policy("fp8"), "surrogate")) is None  # not cached
+    fp8_policy = PrecisionPolicy.coerce("fp8")
+    assert ev._cache.store.get(ev._cache.key(fp8_policy, "surrogate")) is None  # not cached
 
 
 def test_refit_on_real_evaluations_moves_predictions_towards_them(spec, data):

@@ -1,0 +1,152 @@
+"""The evaluator's settings: :class:`EvaluatorConfig`, and the fidelities' fixed budgets.
+
+Everything here decides an evaluation's result, so :meth:`EvaluatorConfig.canonical` is part of
+every evaluation's cache key (:mod:`autoprec.evaluate.cached`). The measurements behind the
+defaults (how well one short fine-tune ranks policies, how the fine-tuning rate was chosen) are
+in docs/benchmarks.md, "Policy evaluator", written by experiments/bench_evaluator.py and
+experiments/study_short_fidelity.py.
+
+Example:
+    >>> EvaluatorConfig(steps=6, warm_start_steps=30).steps_by_fidelity
+    {'short': 6, 'full': 30}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+FIDELITIES = ("short", "full", "surrogate")
+SHORT_STEPS = 10
+FULL_STEPS = 30
+# Fine-tunes per evaluation, each on batches of its own, their losses averaged: one fine-tune
+# at "short" (where, on the default task, one batch order already ranks policies as another
+# does), several at "full" (longer trajectories drift apart, and averaging lowers the
+# batch-order noise); docs/benchmarks.md, "Policy evaluator".
+SHORT_REPLICATES = 1
+FULL_REPLICATES = 3
+REPLICATE_SEED_STRIDE = 10_000  # replicate r of seed s fine-tunes on batches of s + r * stride
+# Fine-tuning under a policy: plain SGD at a fifth of the warm start's rate. At the warm start's
+# own rate and momentum a few dozen steps are chaotic, so that the batch order, not the
+# precision, decides the loss; at this rate without momentum formats that barely round
+# (tf32, fp16) stay close to fp32 (experiments/study_short_fidelity.py, docs/benchmarks.md).
+FINETUNE_LR = 0.01
+FINETUNE_MOMENTUM = 0.0
+
+
+def digest(obj: Any) -> str:
+    """SHA-256 (hex, 32 characters) of ``obj``'s canonical JSON (sorted keys, ``str`` for the
+    rest): the form every key of the evaluator's caches is made of."""
+    text = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def check_fidelity(fidelity: str) -> str:
+    """``fidelity`` if it is one of :data:`FIDELITIES`.
+
+    Raises:
+        ValueError: any other value (the message lists the fidelities).
+    """
+    if fidelity not in FIDELITIES:
+        raise ValueError(f"unknown fidelity {fidelity!r}; expected one of {', '.join(FIDELITIES)}")
+    return fidelity
+
+
+@dataclass(frozen=True)
+class EvaluatorConfig:
+    """How an :class:`~autoprec.evaluate.Evaluator` trains, scores and prices a policy.
+
+    Args:
+        fidelity: default fidelity, ``"short"`` (``steps`` or 10 steps, ``replicates`` or one
+            fine-tune), ``"full"`` (three fine-tunes of 30 steps, averaged) or ``"surrogate"``
+            (predicted, no training). The only setting left out of :meth:`canonical`: each
+            evaluation's key names the fidelity it ran at.
+        steps: fine-tuning steps at ``"short"`` fidelity; None: :data:`SHORT_STEPS`.
+        replicates: fine-tunes at ``"short"`` fidelity, each from the warm start on batches of
+            its own; the scores are averaged (less dependence on one batch order).
+        batch_size: examples per fine-tuning (and warm-start) step.
+        lr: SGD learning rate (momentum 0.9) of the warm start.
+        finetune_lr: SGD learning rate while fine-tuning under a policy; None: ``lr``.
+        momentum: SGD momentum while fine-tuning under a policy.
+        warm_start_steps: fp32 steps from the spec's weights before any policy is applied.
+        seed: seeds the warm-start loader, the fixed batches and torch before each run.
+        batch_seed: seeds the fine-tuning batches (and torch) instead of ``seed``, keeping the
+            warm start of ``seed``: the same policies on another batch order, to measure how
+            much a score depends on it. None: ``seed``.
+        cost_batch_size: the production batch size for the cost model; None: ``batch_size``.
+        target_mode: ``"native"``: a policy is feasible only if every layer runs natively on
+            the target (:mod:`autoprec.hardware.runnability`); ``"emulate"``: a study of
+            formats the target lacks, anything the device's format list holds is feasible.
+
+    Raises:
+        ValueError: an unknown fidelity or target mode, or a count below 1.
+    """
+
+    fidelity: str = "short"
+    steps: int | None = None
+    replicates: int | None = None
+    batch_size: int = 32
+    lr: float = 0.05
+    finetune_lr: float | None = FINETUNE_LR
+    momentum: float = FINETUNE_MOMENTUM
+    warm_start_steps: int = 200
+    seed: int = 0
+    batch_seed: int | None = None
+    cost_batch_size: int | None = None
+    target_mode: str = "native"
+
+    def __post_init__(self) -> None:
+        if self.target_mode not in ("native", "emulate"):
+            raise ValueError(f"target_mode must be native or emulate, got {self.target_mode!r}")
+        check_fidelity(self.fidelity)
+        for name in ("steps", "replicates"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.resolved_cost_batch_size < 1:
+            raise ValueError(f"cost_batch_size must be >= 1, got {self.cost_batch_size!r}")
+
+    @property
+    def steps_by_fidelity(self) -> dict[str, int]:
+        """Fine-tuning steps of each real fidelity."""
+        return {"short": self.steps or SHORT_STEPS, "full": FULL_STEPS}
+
+    @property
+    def replicates_by_fidelity(self) -> dict[str, int]:
+        """Fine-tunes averaged at each real fidelity."""
+        return {"short": self.replicates or SHORT_REPLICATES, "full": FULL_REPLICATES}
+
+    @property
+    def resolved_finetune_lr(self) -> float:
+        """The fine-tuning learning rate (``lr`` when ``finetune_lr`` is None)."""
+        return self.lr if self.finetune_lr is None else self.finetune_lr
+
+    @property
+    def resolved_batch_seed(self) -> int:
+        """The seed of the fine-tuning batches (``seed`` when ``batch_seed`` is None)."""
+        return self.seed if self.batch_seed is None else int(self.batch_seed)
+
+    @property
+    def resolved_cost_batch_size(self) -> int:
+        """The cost model's batch size (``batch_size`` when ``cost_batch_size`` is None)."""
+        return self.batch_size if self.cost_batch_size is None else int(self.cost_batch_size)
+
+    def warm_start_settings(self) -> dict[str, Any]:
+        """What trains the warm start besides the model, the data and the seed (its key)."""
+        return {"steps": self.warm_start_steps, "lr": self.lr, "batch_size": self.batch_size}
+
+    def canonical(self) -> dict[str, Any]:
+        """Every setting that decides a result, resolved (a None and the value it stands for
+        are one setting): the configuration's part of the evaluation cache key."""
+        return {
+            **self.warm_start_settings(),
+            "seed": self.seed,
+            "finetune": [self.resolved_finetune_lr, self.momentum],
+            "steps": self.steps_by_fidelity,
+            "replicates": self.replicates_by_fidelity,
+            "batch_seed": self.resolved_batch_seed,
+            "cost_batch_size": self.resolved_cost_batch_size,
+            "target_mode": self.target_mode,
+        }

@@ -1,0 +1,183 @@
+"""Fine-tuning runs under a policy: from the warm start, on fixed batches, then scored.
+
+A run is every replicate of one fidelity: each fine-tunes a fresh copy of the warm start on
+batches of its own, with the policy applied, and is scored with the policy still applied (the
+loss over the whole training split, loss and accuracy on the validation split). Step time and
+peak memory are measured with CUDA events when the evaluator measures (the target is this
+machine's GPU). Nothing here raises for a bad policy: a non-finite loss, an exception in
+training or running out of memory marks the run diverged.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import math
+import statistics
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoprec.evaluate.config import REPLICATE_SEED_STRIDE, EvaluatorConfig
+from autoprec.policy import PrecisionPolicy
+from autoprec.runtime import LossScaler, apply_policy
+
+log = logging.getLogger(__name__)
+
+SCORE_BATCH = 256
+WARMUP_STEPS = 2  # steps not timed: the first ones warm up kernels and the allocator
+
+
+@dataclass
+class FineTuneRun:
+    """What one fine-tuning run produced (before it is compared with the reference)."""
+
+    loss: float = math.nan
+    val_loss: float = math.nan
+    accuracy: float = 0.0
+    step_time_s: float | None = None  # measured runs only
+    memory_bytes: int | None = None
+    overflows: int = 0
+    underflows: int = 0
+    loss_scale: dict[str, Any] = dataclasses.field(default_factory=dict)
+    diverged: bool = False
+    out_of_memory: bool = False
+    wall_time_s: float = 0.0
+
+
+class FineTuner:
+    """Runs and scores the fine-tunes of one model on one dataset.
+
+    Args:
+        spec: a ModelSpec (``module``, ``loss``, ``logits``); its module is not changed.
+        data: a DataBundle (``loader``, ``fixed_batches``).
+        config: the evaluator's settings (steps, replicates, batch size, rate, seeds).
+        measured: run on the local CUDA device and time it (else on the CPU, untimed).
+    """
+
+    def __init__(self, spec: Any, data: Any, config: EvaluatorConfig, measured: bool) -> None:
+        self.spec = spec
+        self.data = data
+        self.config = config
+        self.measured = measured
+        self.device = torch.device("cuda") if measured else torch.device("cpu")
+
+    def run(
+        self,
+        policy: PrecisionPolicy,
+        fidelity: str,
+        state: dict[str, torch.Tensor],
+        mode: str,
+        started: float,
+    ) -> FineTuneRun:
+        """Every replicate of ``fidelity`` from ``state`` in runtime ``mode``: losses and
+        accuracy averaged, counts summed, step times pooled; one diverging replicate makes the
+        run diverged. ``started`` (a ``perf_counter`` time) begins the run's wall time."""
+        cfg, dev = self.config, self.device
+        run = FineTuneRun()
+        losses, val_losses, accuracies, times = [], [], [], []
+        for replicate in range(cfg.replicates_by_fidelity[fidelity]):
+            batch_seed = cfg.resolved_batch_seed + replicate * REPLICATE_SEED_STRIDE
+            torch.manual_seed(batch_seed)
+            model = copy.deepcopy(self.spec.module)
+            model.load_state_dict(state)
+            model.to(dev)
+            batches = self.data.fixed_batches(
+                cfg.steps_by_fidelity[fidelity], cfg.batch_size, seed=batch_seed
+            )
+            handle = None
+            try:
+                handle = apply_policy(model, policy, mode=mode)
+                scaler = LossScaler.from_config(policy.loss_scaling, device=dev)
+                opt = torch.optim.SGD(
+                    model.parameters(), lr=cfg.resolved_finetune_lr, momentum=cfg.momentum
+                )
+                times += self._fine_tune(model, batches, opt, scaler, run)
+                run.loss_scale = scaler.summary()
+                if not run.diverged:
+                    losses.append(self.score_split(model, "train")[0])
+                    val_loss, accuracy = self.score_split(model, "val")
+                    val_losses.append(val_loss)
+                    accuracies.append(accuracy)
+                if self.measured and times:
+                    run.memory_bytes = max(
+                        run.memory_bytes or 0, int(torch.cuda.max_memory_allocated(dev))
+                    )
+            except torch.cuda.OutOfMemoryError:
+                log.warning("out of memory evaluating policy %s", policy.digest())
+                run.out_of_memory = run.diverged = True
+            except Exception:  # noqa: BLE001 - a bad policy must not end a search
+                log.exception("training failed for policy %s; counted as diverged", policy.digest())
+                run.diverged = True
+            finally:
+                if handle is not None:
+                    totals = handle.totals()
+                    run.overflows += totals["overflows"]
+                    run.underflows += totals["underflows"]
+                    handle.remove()
+            if run.diverged:
+                break
+        if not run.diverged and losses:
+            run.loss = statistics.fmean(losses)
+            run.val_loss = statistics.fmean(val_losses)
+            run.accuracy = statistics.fmean(accuracies)
+        if self.measured and times:
+            run.step_time_s = statistics.median(times)
+        run.wall_time_s = time.perf_counter() - started
+        return run
+
+    def _fine_tune(
+        self,
+        model: nn.Module,
+        batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+        opt: torch.optim.Optimizer,
+        scaler: LossScaler,
+        run: FineTuneRun,
+    ) -> list[float]:
+        """SGD on ``batches``; the timed steps' seconds (measured runs only). A non-finite
+        loss stops it and marks ``run`` diverged."""
+        dev = self.device
+        model.train()
+        times: list[float] = []
+        if self.measured:
+            torch.cuda.reset_peak_memory_stats(dev)
+        for i, (x, y) in enumerate(batches):
+            x, y = x.to(dev), y.to(dev)
+            if self.measured:
+                begin = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                begin.record()
+            opt.zero_grad(set_to_none=True)
+            loss = self.spec.loss(model(x), y)
+            if not torch.isfinite(loss.detach()):
+                run.diverged = True
+                break
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            if self.measured:
+                end.record()
+                torch.cuda.synchronize(dev)
+                if i >= WARMUP_STEPS:
+                    times.append(begin.elapsed_time(end) / 1e3)
+        return times
+
+    @torch.no_grad()
+    def score_split(self, model: nn.Module, split: str) -> tuple[float, float]:
+        """Mean loss and accuracy over ``split``, in eval mode, policy applied."""
+        model.eval()
+        total_loss = correct = count = labels = 0.0
+        for x, y in self.data.loader(split, batch_size=SCORE_BATCH, shuffle=False):
+            x, y = x.to(self.device), y.to(self.device)
+            out = model(x)
+            total_loss += float(self.spec.loss(out, y)) * len(x)
+            count += len(x)
+            pred = self.spec.logits(out).argmax(-1)
+            correct += float((pred == y).sum())
+            labels += y.numel()
+        return total_loss / max(count, 1), correct / max(labels, 1)
