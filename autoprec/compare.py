@@ -24,7 +24,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from autoprec.tracking import DEFAULT_TRACKING_URI
+from autoprec.tracking.client import (
+    CALL_LIMITS,
+    CONNECT_LIMITS,
+    mlflow_limits,
+    one_line,
+    resolve_tracking_uri,
+    sqlite_file,
+)
 
 __all__ = [
     "COLUMNS",
@@ -33,7 +40,6 @@ __all__ = [
     "compare_searches",
     "plot_fronts",
     "sort_rows",
-    "write_rows_csv",
 ]
 
 # Row key -> (parent run metric, or None for what comes from params/tags/info).
@@ -109,9 +115,7 @@ def compare_searches(
         UnknownExperimentError: ``experiment`` was given and does not exist.
         CompareError: the tracking store cannot be read; the message is one line.
     """
-    from autoprec.tracking import _CONNECT_LIMITS, _http_limits, _one_line
-
-    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+    uri = resolve_tracking_uri(tracking_uri)
     missing = _missing_sqlite(uri)
     if missing is not None:
         if experiment is not None:
@@ -121,7 +125,7 @@ def compare_searches(
             )
         return []
     try:
-        with _http_limits(_CONNECT_LIMITS):
+        with mlflow_limits(CONNECT_LIMITS):
             from mlflow import MlflowClient
 
             client = MlflowClient(tracking_uri=uri)
@@ -135,7 +139,7 @@ def compare_searches(
     except CompareError:
         raise
     except Exception as err:  # noqa: BLE001 - any store failure is one line for the user
-        raise CompareError(f"cannot read searches from {uri}: {_one_line(err)}") from None
+        raise CompareError(f"cannot read searches from {uri}: {one_line(err)}") from None
     return rows
 
 
@@ -167,22 +171,6 @@ def sort_rows(rows: Iterable[dict[str, Any]], column: str = "best_reward") -> li
     return present + absent
 
 
-def write_rows_csv(rows: Sequence[dict[str, Any]], path: str | os.PathLike[str]) -> Path:
-    """Write ``rows`` (the :data:`COLUMNS`) as CSV, atomically; returns the path."""
-    from autoprec.cache import write_atomic
-
-    target = Path(path)
-
-    def write(fh: Any) -> None:
-        writer = csv.DictWriter(fh, fieldnames=list(COLUMNS), extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows({k: ("" if r.get(k) is None else r[k]) for k in COLUMNS} for r in rows)
-
-    write_atomic(target, write)
-    _user_mode(target)
-    return target
-
-
 def plot_fronts(
     rows: Sequence[dict[str, Any]],
     path: str | os.PathLike[str],
@@ -205,13 +193,11 @@ def plot_fronts(
     Raises:
         CompareError: the artifacts cannot be read.
     """
-    from autoprec.tracking import _CALL_LIMITS, _http_limits, _one_line
-
-    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+    uri = resolve_tracking_uri(tracking_uri)
     fronts: list[tuple[dict[str, Any], list[tuple[float, float]]]] = []
     try:
-        limits = {**_CALL_LIMITS, "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}
-        with _http_limits(limits), tempfile.TemporaryDirectory(prefix="autoprec-") as tmp:
+        limits = {**CALL_LIMITS, "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": False}
+        with mlflow_limits(limits), tempfile.TemporaryDirectory(prefix="autoprec-") as tmp:
             from mlflow import MlflowClient
 
             client = MlflowClient(tracking_uri=uri)
@@ -224,14 +210,13 @@ def plot_fronts(
                 local = client.download_artifacts(row["run_id"], "pareto.csv", str(folder))
                 fronts.append((row, _front_points(Path(local))))
     except Exception as err:  # noqa: BLE001 - any store failure is one line for the user
-        raise CompareError(f"cannot read Pareto fronts from {uri}: {_one_line(err)}") from None
+        raise CompareError(f"cannot read Pareto fronts from {uri}: {one_line(err)}") from None
 
     from autoprec.cache import write_atomic
 
     figure = _fronts_figure(fronts)
     target = Path(path)
     write_atomic(target, lambda fh: figure.savefig(fh, format="png"), binary=True)
-    _user_mode(target)
     return [row["run_id"] for row, _ in fronts]
 
 
@@ -239,13 +224,8 @@ def plot_fronts(
 def _missing_sqlite(uri: str) -> Path | None:
     """The database file of a ``sqlite:///`` URI when it does not exist (MLflow would create
     an empty one), else None."""
-    if not uri.startswith("sqlite:///"):
-        return None
-    name = uri[len("sqlite:///") :].split("?")[0]
-    if name in ("", ":memory:"):
-        return None
-    file = Path(name)
-    return None if file.exists() else file
+    file = sqlite_file(uri)
+    return None if file is None or file.exists() else file
 
 
 def _experiments(client: Any, experiment: str | None, model: str | None) -> list[Any]:
@@ -346,6 +326,8 @@ def _fronts_figure(fronts: Sequence[tuple[dict[str, Any], list[tuple[float, floa
     from matplotlib import colormaps
     from matplotlib.figure import Figure
 
+    from autoprec.tracking.plots import mark_fp32
+
     fig = Figure(figsize=(8, 5.5), dpi=100, layout="constrained")
     ax = fig.add_subplot()
     colours = colormaps["tab10"].colors
@@ -367,20 +349,10 @@ def _fronts_figure(fronts: Sequence[tuple[dict[str, Any], list[tuple[float, floa
             alpha=0.85,
             label=label,
         )
-    ax.scatter([1.0], [0.0], marker="X", s=90, c="black", zorder=5)
-    ax.annotate("fp32", (1.0, 0.0), textcoords="offset points", xytext=(6, 6))
-    ax.set_xlabel("speedup over fp32 (x)")
-    ax.set_ylabel("loss delta (relative to fp32)")
+    mark_fp32(ax)
     models = sorted({str(row.get("model") or "?") for row, _ in fronts})
     ax.set_title(f"Pareto fronts of {len(fronts)} searches ({', '.join(models) or 'none'})")
     ax.grid(alpha=0.3)
     if fronts:
         ax.legend(loc="best", fontsize=8)
     return fig
-
-
-def _user_mode(path: Path) -> None:
-    """Give a file written through mkstemp (0600) the mode a plain ``open`` would have."""
-    umask = os.umask(0)
-    os.umask(umask)
-    path.chmod(0o666 & ~umask)

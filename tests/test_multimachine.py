@@ -35,18 +35,9 @@ FAST = ["--model", "tinycnn", "--steps", "4", "--train-batch-size", "32"]
 BUDGET = 5
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    """One cache for the in-process searches: the warm start is computed once."""
-    return tmp_path_factory.mktemp("cache")
-
-
 @pytest.fixture(autouse=True)
-def _private(tmp_path, monkeypatch, cache):
-    monkeypatch.setenv("AUTOPREC_CACHE_DIR", str(cache))
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    monkeypatch.chdir(tmp_path)
+def _private(tracked_search_dir):
+    return tracked_search_dir
 
 
 # -- PostgreSQL ------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+from tinycnn_fixtures import made_up_metrics
 
 from autoprec.agents.base import SearchResult, Trial
 from autoprec.cli import main
@@ -20,18 +21,9 @@ SEARCH = ["search", *FAST, "--agent", "random", "--budget", "3"]
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    """One cache for the module: the warm start and sensitivities are computed once."""
-    return tmp_path_factory.mktemp("cache")
-
-
 @pytest.fixture(autouse=True)
-def _private(tmp_path, monkeypatch, cache):
-    monkeypatch.setenv("AUTOPREC_CACHE_DIR", str(cache))
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    monkeypatch.chdir(tmp_path)  # mlflow.db, mlruns/ and the Optuna storage land here
+def _private(tracked_search_dir):
+    return tracked_search_dir
 
 
 @pytest.fixture(scope="module")
@@ -213,22 +205,10 @@ def test_interrupted_search_ends_its_run_killed(tmp_path, capsys, monkeypatch, d
 
 # --- the tracker on its own (no search: made-up trials) ------------------------------------
 def _metrics(speedup: float = 1.5, loss_delta: float = 0.01, fidelity: str = "short") -> Metrics:
-    return Metrics(
-        accuracy=0.9,
-        loss=0.3,
-        fp32_accuracy=0.9,
-        fp32_loss=0.3,
-        accuracy_delta=0.0,
-        loss_delta=loss_delta,
-        speedup=speedup,
-        memory_ratio=0.7,
-        speedup_vs_amp=1.0,
-        memory_ratio_vs_amp=1.0,
-        step_time_s=0.01,
-        memory_bytes=1000,
-        source="model",
-        fidelity=fidelity,
-    )
+    return made_up_metrics(
+        loss=0.3, fp32_loss=0.3, loss_delta=loss_delta, speedup=speedup, memory_ratio=0.7,
+        step_time_s=0.01, memory_bytes=1000, fidelity=fidelity,
+    )  # fmt: skip
 
 
 def _trial(number: int, fidelity: str = "short", speedup: float = 1.5) -> Trial:
@@ -269,7 +249,7 @@ def test_a_failing_mlflow_call_turns_tracking_off_once(db, capsys):
     def fail(*args, **kwargs):
         raise RuntimeError("disk full\nsecond line")
 
-    tracker._client.log_batch = fail
+    tracker.client.mlflow.log_batch = fail
     trials = [_trial(0), _trial(1)]
     tracker.on_trial(trials[0], _result(trials[:1]))  # fails: tracking off
     tracker.on_trial(trials[1], _result(trials))  # ignored
@@ -308,3 +288,44 @@ def test_defaults_and_bad_status(monkeypatch):
         tracker.finish(_result([]), status="DONE")
     assert policy_digest({"a": "fp32", "b": "bf16"}) == policy_digest({"b": "bf16", "a": "fp32"})
     assert policy_digest({"a": "fp32"}) != policy_digest({"a": "bf16"})
+
+
+def test_reward_settings_are_parent_params(db):
+    from autoprec.evaluate.reward import RewardConfig
+
+    reward = RewardConfig({"accuracy": 20.0}, tolerance=0.02)
+    tracker = SearchTracker("rewarded", reward=reward, tracking_uri=db)
+    with tracker:
+        assert tracker.start()
+    (run,) = runs_of(db, "autoprec/rewarded")
+    params = run.data.params
+    assert (params["w_speedup"], params["w_memory"], params["w_accuracy"]) == ("1.0", "0.5", "20.0")
+    assert params["accuracy_tolerance"] == "0.02"
+    assert SearchTracker("m").reward == RewardConfig()
+
+
+def test_http_limits_hold_only_inside_autoprec_calls(monkeypatch):
+    import os
+
+    from mlflow.environment_variables import (
+        MLFLOW_HTTP_REQUEST_MAX_RETRIES,
+        MLFLOW_HTTP_REQUEST_TIMEOUT,
+    )
+
+    from autoprec.tracking import CALL_LIMITS, CONNECT_LIMITS, mlflow_limits
+
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_TIMEOUT", raising=False)
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", raising=False)
+    before = dict(os.environ)
+    shipped = MLFLOW_HTTP_REQUEST_TIMEOUT.get()
+    with mlflow_limits(CALL_LIMITS):
+        assert MLFLOW_HTTP_REQUEST_TIMEOUT.get() == 30
+        with mlflow_limits(CONNECT_LIMITS):
+            assert MLFLOW_HTTP_REQUEST_TIMEOUT.get() == 5
+            assert MLFLOW_HTTP_REQUEST_MAX_RETRIES.get() == 0
+        assert MLFLOW_HTTP_REQUEST_MAX_RETRIES.get() == 2
+        assert dict(os.environ) == before  # the process's environment is never written
+    assert MLFLOW_HTTP_REQUEST_TIMEOUT.get() == shipped
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "77")  # the user's setting wins
+    with mlflow_limits(CONNECT_LIMITS):
+        assert MLFLOW_HTTP_REQUEST_TIMEOUT.get() == 77

@@ -13,6 +13,8 @@ from typing import Any
 
 import click
 
+from autoprec.cli.mlflow_options import tracking_uri_option
+
 # (row key, header, format) of the table's columns.
 _TABLE = (
     ("run_id", "run", lambda v: str(v)[:8]),
@@ -38,11 +40,7 @@ _TABLE = (
 @click.option(
     "--model", "model_name", default=None, help="Only searches of this model (autoprec/MODEL)."
 )
-@click.option(
-    "--tracking-uri",
-    default=None,
-    help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here).",
-)
+@tracking_uri_option
 @click.option(
     "--sort",
     "sort_by",
@@ -70,31 +68,26 @@ def compare(
     plot_path: str | None,
 ) -> None:
     """Compare the searches logged to MLflow: one row per search."""
-    from autoprec.compare import compare_searches, plot_fronts, sort_rows, write_rows_csv
+    from autoprec.cache import write_csv
+    from autoprec.compare import COLUMNS, compare_searches, plot_fronts, sort_rows
+    from autoprec.tracking import resolve_tracking_uri
 
     # CompareError (a ValueError) becomes one line and exit status 2 in autoprec.cli.main
     rows = sort_rows(compare_searches(tracking_uri, experiment, model_name), sort_by)
     if not rows:
         where = experiment or (f"autoprec/{model_name}" if model_name else "autoprec/*")
         also = f" of model {model_name!r}" if model_name and experiment else ""
-        click.echo(f"no autoprec searches{also} in experiment {where} at {_uri(tracking_uri)}")
+        uri = resolve_tracking_uri(tracking_uri)
+        click.echo(f"no autoprec searches{also} in experiment {where} at {uri}")
         return
     _print_table(rows)
     if csv_path is not None:
-        click.echo(f"{len(rows)} rows -> {write_rows_csv(rows, csv_path)}")
+        click.echo(f"{len(rows)} rows -> {write_csv(csv_path, rows, COLUMNS)}")
     if plot_path is not None:
         drawn = plot_fronts(rows, plot_path, tracking_uri)
         left = len(rows) - len(drawn)
         note = f" ({left} without pareto.csv left out)" if left else ""
         click.echo(f"{len(drawn)} Pareto fronts -> {plot_path}{note}")
-
-
-def _uri(tracking_uri: str | None) -> str:
-    import os
-
-    from autoprec.tracking import DEFAULT_TRACKING_URI
-
-    return tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
 
 
 def _print_table(rows: list[dict[str, Any]]) -> None:

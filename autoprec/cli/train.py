@@ -18,20 +18,15 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import os
-import sys
-import time
-from collections.abc import Iterator, Mapping
 from typing import Any
 
 import click
 
+from autoprec.cli.mlflow_options import experiment_option, tracking_uri_option
 from autoprec.defaults import DEFAULT_DATASET
 
 MODE_NAMES = ("auto", "emulate", "native")
-FLUSH_METRICS = 500  # buffered metric values that trigger a write to MLflow
-FLUSH_SECONDS = 15.0  # ... or the time since the last write
 
 
 @click.command()
@@ -71,14 +66,8 @@ FLUSH_SECONDS = 15.0  # ... or the time since the last write
     envvar="AUTOPREC_NO_MLFLOW",
     help="Do not log the run to MLflow (also AUTOPREC_NO_MLFLOW=1).",
 )
-@click.option(
-    "--tracking-uri",
-    default=None,
-    help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here).",
-)
-@click.option(
-    "--experiment", default=None, help="MLflow experiment name (default: autoprec/<model>)."
-)
+@tracking_uri_option
+@experiment_option
 def train(
     model_name: str,
     policy_file: str,
@@ -111,6 +100,7 @@ def train(
     from autoprec.data import load_dataset_for
     from autoprec.models import load_model
     from autoprec.policy_io import load_policy
+    from autoprec.tracking import TrainTracker
     from autoprec.train import dist_env
     from autoprec.train import train as run
 
@@ -129,7 +119,7 @@ def train(
             )
 
         length_param = {"steps": steps} if steps is not None else {"epochs": epochs or 1}
-        tracking = _TrainTracking(
+        tracking = TrainTracker(
             enabled=not no_mlflow and rank == 0,
             tracking_uri=tracking_uri,
             experiment=experiment or f"autoprec/{spec.name}",
@@ -156,6 +146,7 @@ def train(
                 "torch_version": torch.__version__,
             },
             artifacts=[policy_file],
+            echo=click.echo,
         )
 
         def log(step: int, metrics: dict[str, float]) -> None:
@@ -229,139 +220,3 @@ def _interrupted(err: KeyboardInterrupt, checkpoint_dir: str | None) -> str:
     if path is not None and os.path.exists(path):
         return f"interrupted; {path} holds the last checkpoint: run the same command to resume"
     return "interrupted; nothing saved"
-
-
-class _TrainTracking:
-    """MLflow logging of one training run; every method is a no-op when disabled.
-
-    The run starts with the first metrics (so settings that training refuses leave no run),
-    metric values are buffered and written in batches, and any MLflow failure turns tracking
-    off with one line (``autoprec: tracking off: <reason>``) instead of ending the training.
-    """
-
-    def __init__(
-        self,
-        *,
-        enabled: bool,
-        tracking_uri: str | None,
-        experiment: str,
-        run_name: str,
-        tags: Mapping[str, str],
-        params: Mapping[str, Any],
-        artifacts: list[str],
-    ) -> None:
-        from autoprec.tracking import DEFAULT_TRACKING_URI
-
-        self.enabled = enabled
-        self.tracking_uri = (
-            tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
-        )
-        self.experiment = experiment
-        self.run_name = run_name
-        self.tags = dict(tags)
-        self.params = dict(params)
-        self.artifacts = artifacts
-        self.run_id: str | None = None
-        self._client: Any = None
-        self._pending: list[Any] = []
-        self._flushed = time.monotonic()
-
-    def log(self, step: int, metrics: Mapping[str, float]) -> None:
-        """Buffer ``train_loss``/``loss_scale`` or ``val_loss``/``val_accuracy``/``epoch``."""
-        if not self.enabled or (self.run_id is None and not self._start()):
-            return
-        from mlflow.entities import Metric
-
-        now = int(time.time() * 1000)
-        for key, value in metrics.items():
-            if key == "epoch" and "val_loss" not in metrics:
-                continue  # the epoch goes with each validation, not with every step
-            self._pending.append(Metric(key, float(value), now, step))
-        due = time.monotonic() - self._flushed >= FLUSH_SECONDS
-        if len(self._pending) >= FLUSH_METRICS or due:
-            with self._guard("cannot log metrics"):
-                self._flush()
-
-    def finish(self, result: Any) -> None:
-        """Log the summary of ``result`` (a ``TrainResult``) and end the run as FINISHED."""
-        if not self.enabled or (self.run_id is None and not self._start()):
-            return
-        from mlflow.entities import Metric, Param
-
-        last = result.train_loss[-1] if result.train_loss else None
-        summary = {
-            "final_train_loss": last,
-            "final_val_loss": result.val_loss,
-            "final_val_accuracy": result.val_accuracy,
-            "total_steps": result.steps,
-            "epochs_done": result.epochs,
-            "overflows": result.overflows,
-            "skipped_steps": result.skipped_steps,
-            "train_wall_time_s": result.wall_time_s,
-        }
-        now = int(time.time() * 1000)
-        self._pending += [
-            Metric(k, float(v), now, result.steps) for k, v in summary.items() if v is not None
-        ]
-        more = {"runtime_mode": result.mode, "resumed_from": result.resumed_from or 0}
-        with self._guard("cannot finish the run"):
-            self._flush()
-            params = [Param(k, str(v)) for k, v in more.items()]
-            self._client.log_batch(self.run_id, params=params)
-            self._client.set_terminated(self.run_id, "FINISHED")
-            click.echo(f"mlflow: run {self.run_id} finished")
-        self.enabled = False
-
-    def close(self, status: str) -> None:
-        """End the run with ``status`` (``FAILED``, ``KILLED``) after the buffered metrics."""
-        if self.enabled and self.run_id is not None:
-            with self._guard("cannot end the run"):
-                self._flush()
-                self._client.set_terminated(self.run_id, status)
-        self.enabled = False
-
-    def _start(self) -> bool:
-        from autoprec.tracking import _CONNECT_LIMITS, _sqlite_lock, experiment_id
-
-        with self._guard("cannot start", _CONNECT_LIMITS):
-            from mlflow import MlflowClient
-            from mlflow.entities import Param
-
-            with _sqlite_lock(self.tracking_uri):  # one process creates a new database
-                client = MlflowClient(tracking_uri=self.tracking_uri)
-                client.get_experiment_by_name(self.experiment)
-            experiment = experiment_id(client, self.experiment)
-            run = client.create_run(experiment, run_name=self.run_name, tags=self.tags)
-            self._client, self.run_id = client, run.info.run_id
-            params = [Param(k, str(v)) for k, v in self.params.items()]
-            client.log_batch(self.run_id, params=params)
-            for path in self.artifacts:
-                client.log_artifact(self.run_id, path)
-            click.echo(
-                f"mlflow: run {self.run_id} in experiment {self.experiment!r} at "
-                f"{self.tracking_uri}"
-            )
-        return self.enabled
-
-    def _flush(self) -> None:
-        while self._pending:
-            batch, self._pending = self._pending[:1000], self._pending[1000:]  # MLflow's limit
-            self._client.log_batch(self.run_id, metrics=batch)
-        self._flushed = time.monotonic()
-
-    @contextlib.contextmanager
-    def _guard(self, what: str, limits: Mapping[str, str] | None = None) -> Iterator[None]:
-        """Run MLflow calls; an exception turns tracking off with one line on stderr."""
-        from autoprec.tracking import _CALL_LIMITS, _CONNECT_LIMITS, _http_limits, _one_line
-
-        try:
-            with _http_limits(limits or _CALL_LIMITS):
-                yield
-        except Exception as err:  # noqa: BLE001 - tracking must never end a training
-            self.enabled = False
-            self._pending.clear()
-            reason = f"{what} ({self.tracking_uri}): {_one_line(err)}"
-            print(f"autoprec: tracking off: {reason}", file=sys.stderr, flush=True)
-            if self.run_id is not None:
-                with contextlib.suppress(Exception), _http_limits(_CONNECT_LIMITS):
-                    self._client.set_terminated(self.run_id, "FAILED")

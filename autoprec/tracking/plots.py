@@ -1,0 +1,125 @@
+"""The search's figures: its Pareto chart and the precision map of a policy, saved as PNG.
+
+matplotlib is imported only when a figure is drawn; the figures are plain
+:class:`matplotlib.figure.Figure` objects (no pyplot state).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+#: The colour of each precision in the figures.
+COLOURS = {
+    "fp32": "#4c72b0",
+    "tf32": "#64b5cd",
+    "bf16": "#55a868",
+    "fp16": "#dd8452",
+    "fp8": "#c44e52",
+}
+
+
+def mark_fp32(ax: Any) -> None:
+    """The fp32 reference point (speedup 1, loss delta 0) and the axes' labels."""
+    ax.scatter([1.0], [0.0], marker="X", s=90, c="black", zorder=5)
+    ax.annotate("fp32", (1.0, 0.0), textcoords="offset points", xytext=(6, 6))
+    ax.set_xlabel("speedup over fp32 (x)")
+    ax.set_ylabel("loss delta (relative to fp32)")
+
+
+def pareto_figure(result: Any, amp: Any, tolerance: float, title: str) -> Any:
+    """Every real evaluation's speedup and loss delta, the Pareto front, the best policy, and
+    the fp32 and AMP references under the accuracy tolerance's line."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 5), dpi=100, layout="constrained")
+    ax = fig.add_subplot()
+    points = [
+        (t.metrics.speedup, t.metrics.loss_delta)
+        for t in result.real_trials
+        if math.isfinite(t.metrics.speedup) and math.isfinite(t.metrics.loss_delta)
+    ]
+    if points:
+        ax.scatter(*zip(*points, strict=True), c="0.65", s=22, label="evaluated policies")
+    front = sorted(result.pareto, key=lambda t: t.metrics.speedup)
+    if front:
+        xs = [t.metrics.speedup for t in front]
+        ys = [t.metrics.loss_delta for t in front]
+        ax.scatter(xs, ys, c="#c44e52", s=40, zorder=3, label="Pareto front")
+    best = result.best
+    if best is not None and math.isfinite(best.metrics.loss_delta):
+        ax.scatter(
+            [best.metrics.speedup],
+            [best.metrics.loss_delta],
+            marker="*",
+            s=220,
+            c="#dd8452",
+            edgecolors="black",
+            zorder=4,
+            label=f"best (reward {best.reward:.3f})",
+        )
+    mark_fp32(ax)
+    if amp is not None and math.isfinite(amp.speedup) and math.isfinite(amp.loss_delta):
+        ax.scatter([amp.speedup], [amp.loss_delta], marker="X", s=90, c="black", zorder=5)
+        ax.annotate("AMP", (amp.speedup, amp.loss_delta), textcoords="offset points", xytext=(6, 6))
+    ax.axhline(tolerance, color="0.4", linestyle="--", linewidth=0.8)
+    ax.annotate(
+        "accuracy tolerance",
+        (0.01, tolerance),
+        xycoords=("axes fraction", "data"),
+        textcoords="offset points",
+        xytext=(0, 3),
+        fontsize=8,
+        color="0.4",
+    )
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", fontsize=8)
+    return fig
+
+
+def precision_map(policy: Mapping[str, Any], title: str) -> Any:
+    """Bar per layer in execution order: length the format's bits, colour its precision."""
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    from autoprec.precision import parse_precision
+
+    names = [str(k) for k in policy]
+    values, widths = [], []
+    for value in policy.values():
+        try:
+            precision = parse_precision(value)
+        except ValueError:
+            values.append(str(value))
+            widths.append(32)
+        else:
+            values.append(precision.value)
+            widths.append(precision.bits)
+    n = len(names)
+    fig = Figure(figsize=(7, min(max(2.5, 0.25 * n + 1.2), 60)), dpi=100, layout="constrained")
+    ax = fig.add_subplot()
+    ys = list(range(n))
+    ax.barh(ys, widths, color=[COLOURS.get(v, "0.6") for v in values], edgecolor="white")
+    ax.set_yticks(ys, names if n <= 200 else [""] * n, fontsize=8 if n <= 60 else 5)
+    ax.invert_yaxis()  # execution order from the top
+    ax.set_xlabel("bits per value of the layer's matrix work (operands)")
+    ax.set_xticks([0, 8, 16, 19, 32])
+    ax.set_title(title, fontsize=10)
+    present = list(dict.fromkeys(values))
+    handles = [Patch(color=COLOURS.get(v, "0.6"), label=v) for v in present]
+    ax.legend(
+        handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, title="precision"
+    )
+    return fig
+
+
+def save_png(path: Path, figure: Any) -> Path:
+    """Write ``figure`` to ``path`` as PNG, atomically, readable by all; returns the path."""
+    from autoprec.cache import write_atomic
+
+    write_atomic(path, lambda fh: figure.savefig(fh, format="png"), binary=True)
+    path.chmod(0o644)  # an artifact is read by the whole store's users, whatever our umask
+    return path
