@@ -31,33 +31,19 @@ A callback sees every trial and may end the search (e.g. on SIGTERM)::
             if stop_requested:
                 raise StopSearch
 
-The agent modules import optuna and stable-baselines3 only when a search runs.
+The agent modules import optuna and stable-baselines3 only when a search runs, and the ``ppo``
+module itself only when it is asked for.
 """
 
 from __future__ import annotations
 
-from autoprec.agents.base import (
-    Agent,
-    Problem,
-    SearchCallback,
-    SearchResult,
-    Session,
-    StopSearch,
-    Trial,
-    search,
-)
-from autoprec.agents.optuna_agents import NSGA2Agent, TPEAgent
-from autoprec.agents.ppo import PPOAgent
-from autoprec.agents.simple import BaselineAgent, GreedyAgent, RandomAgent
+from typing import Any
 
-AGENTS: dict[str, type[Agent]] = {
-    "ppo": PPOAgent,
-    "tpe": TPEAgent,
-    "nsga2": NSGA2Agent,
-    "random": RandomAgent,
-    "greedy": GreedyAgent,
-    "baseline": BaselineAgent,
-}
+from autoprec.agents.base import Agent, Problem, SearchCallback, Session, StopSearch
+from autoprec.agents.optuna_agents import NSGA2Agent, TPEAgent
+from autoprec.agents.registry import AGENTS, search
+from autoprec.agents.result import SearchResult, Trial
+from autoprec.agents.simple import BaselineAgent, GreedyAgent, RandomAgent
 
 __all__ = [
     "AGENTS",
@@ -76,3 +62,10 @@ __all__ = [
     "Trial",
     "search",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """``PPOAgent``, imported when first asked for (it needs gymnasium and SB3 to run)."""
+    if name == "PPOAgent":
+        return AGENTS["ppo"]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -31,16 +31,16 @@ Example:
 
 from __future__ import annotations
 
-import datetime
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from autoprec.agents.base import loss_scaling_for, nearest_allowed
-from autoprec.agents.simple import _sensitivity
-from autoprec.policy import ModelInfo, PrecisionPolicy, TargetInfo
+from autoprec.agents.export import export_policy, layer_policy, loss_scaling_for, policy_metrics
+from autoprec.agents.simple import layer_sensitivity
+from autoprec.evaluate.reward import DEFAULT_TOLERANCE
+from autoprec.policy import PrecisionPolicy, TargetInfo
 from autoprec.precision import Precision, parse_precision
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -49,14 +49,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 STAGES = ("model", "blocks", "layers")
 PLAN_VERSION = 1
-_POLICY_METRICS = (
-    "loss_delta",
-    "accuracy_delta",
-    "speedup",
-    "memory_ratio",
-    "speedup_vs_amp",
-    "memory_ratio_vs_amp",
-)
+__all__ = ["MigrationError", "check_precision", "layer_blocks", "layer_sensitivity", "migrate"]
 
 
 class MigrationError(ValueError):
@@ -165,7 +158,7 @@ class MigrationResult:
             "lowered_layers": len(self.lowered),
             "total_layers": self.total_layers,
             "lowered_share": self.lowered_share,
-            "metrics": _metrics_dict(self.metrics),
+            "metrics": policy_metrics(self.metrics),
             "wall_time_s": self.wall_time_s,
             "blocks": {name: list(layers) for name, layers in self.blocks.items()},
             "steps": [step.to_dict() for step in self.steps],
@@ -256,17 +249,6 @@ def _split(names: list[str], depth: int, total: int) -> list[tuple[str, list[str
     return out
 
 
-def layer_sensitivity(table: Any, layer: str, precision: Any) -> tuple[float, float]:
-    """``(gradient distance, |loss_delta|)`` of ``layer`` at ``precision`` in a sensitivity
-    table (or its nearest wider precision there); infinite when unknown or not finite."""
-    if layer not in table.layers:
-        return (math.inf, math.inf)
-    column = nearest_allowed(precision, list(table.precisions))
-    distance = table.distance(layer, column)
-    distance = abs(distance) if math.isfinite(distance) else math.inf
-    return (distance, _sensitivity(table, layer, column))
-
-
 def _block_sensitivity(table: Any, layers: Sequence[str], precision: Any) -> tuple[float, float]:
     scores = [layer_sensitivity(table, name, precision) for name in layers]
     return (sum(s[0] for s in scores), sum(s[1] for s in scores))
@@ -275,7 +257,7 @@ def _block_sensitivity(table: Any, layers: Sequence[str], precision: Any) -> tup
 def migrate(
     evaluator: Evaluator,
     precision: Any = None,
-    tolerance: float = 0.05,
+    tolerance: float = DEFAULT_TOLERANCE,
     *,
     fidelity: str | None = None,
     on_step: Callable[[MigrationStep], None] | None = None,
@@ -338,27 +320,21 @@ def migrate(
     return run.result(blocks, everything, time.perf_counter() - start)
 
 
+@dataclass
 class _Migration:
     """The state of one migration: the current assignment, its metrics, the steps so far."""
 
-    def __init__(
-        self,
-        evaluator: Evaluator,
-        low: Precision,
-        tolerance: float,
-        fidelity: str,
-        layers: list[str],
-        on_step: Callable[[MigrationStep], None] | None,
-    ) -> None:
-        self.evaluator = evaluator
-        self.low = low
-        self.tolerance = tolerance
-        self.fidelity = fidelity
-        self.layers = layers
-        self.on_step = on_step
-        self.steps: list[MigrationStep] = []
-        self.current = dict.fromkeys(layers, Precision.FP32.value)
-        self.metrics: Metrics = evaluator.reference(fidelity)
+    evaluator: Evaluator
+    low: Precision
+    tolerance: float
+    fidelity: str
+    layers: list[str]
+    on_step: Callable[[MigrationStep], None] | None
+    steps: list[MigrationStep] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.current = dict.fromkeys(self.layers, Precision.FP32.value)
+        self.metrics: Metrics = self.evaluator.reference(self.fidelity)
 
     def reset(self) -> None:
         """Back to uniform fp32 (the reference)."""
@@ -369,7 +345,7 @@ class _Migration:
         """Evaluate the current assignment with ``lowered`` at the low precision; keep it if
         it is within the tolerance."""
         trial = {**self.current, **dict.fromkeys(lowered, self.low.value)}
-        m = self.evaluator.evaluate(_policy(trial), self.fidelity)
+        m = self.evaluator.evaluate(layer_policy(trial), self.fidelity)
         # kept only within the tolerance and where lowering pays: faster, or as fast and
         # smaller (on small layers the casts can cost more than the narrower matmul saves)
         pays = m.speedup > self.metrics.speedup or (
@@ -401,25 +377,17 @@ class _Migration:
         return step
 
     def result(self, blocks: dict[str, list[str]], whole: bool, wall: float) -> MigrationResult:
-        import autoprec
-        from autoprec.layers import model_fingerprint
-
-        spec = self.evaluator.spec
         metrics = self.metrics
         lowered = [n for n in self.layers if self.current[n] == self.low.value]
         if len(lowered) == len(self.layers):
             base = PrecisionPolicy.uniform(self.low, loss_scaling=loss_scaling_for(self.current))
         else:
-            base = _policy(self.current)
-        name = getattr(spec, "name", None)
-        policy = base.replace(
-            model=ModelInfo(
-                name=name if isinstance(name, str) else None,
-                fingerprint=model_fingerprint(spec.module),
-                tunable_layers=len(self.layers),
-            ),
+            base = layer_policy(self.current)
+        policy = export_policy(
+            base,
+            self.evaluator.spec,
             target=TargetInfo(device=self.evaluator.device.name, mode="auto"),
-            metrics={k: v for k, v in _metrics_dict(metrics).items() if math.isfinite(v)},
+            metrics=policy_metrics(metrics),
             provenance={
                 "agent": "migrate",
                 "precision": self.low.value,
@@ -427,8 +395,6 @@ class _Migration:
                 "fidelity": self.fidelity,
                 "steps": str(len(self.steps)),
                 "migrated_without_intervention": str(whole).lower(),
-                "autoprec_version": autoprec.__version__,
-                "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             },
         )
         return MigrationResult(
@@ -443,15 +409,3 @@ class _Migration:
             metrics=metrics,
             wall_time_s=wall,
         )
-
-
-def _policy(assignment: Mapping[str, str]) -> PrecisionPolicy:
-    """Default fp32, every layer as assigned, dynamic loss scaling when a layer is fp16 (as the
-    agents evaluate their layer maps, so the evaluator's cache is shared with them)."""
-    return PrecisionPolicy(
-        default=Precision.FP32, layers=dict(assignment), loss_scaling=loss_scaling_for(assignment)
-    )
-
-
-def _metrics_dict(metrics: Metrics) -> dict[str, float]:
-    return {key: float(getattr(metrics, key)) for key in _POLICY_METRICS}

@@ -19,14 +19,16 @@ policies are COMPLETE trials with the penalised values. Each COMPLETE trial has 
 ``metrics`` (``Metrics.to_dict()``), ``reward``, ``fidelity`` and ``wall_time_s``.
 
 A trial whose worker dies is failed and retried (enqueued again, as Optuna's
-``RetryFailedTrialCallback`` does, at most :data:`MAX_RETRY` times), so that the budget is spent
-in full and a resumed search goes on as an uninterrupted one:
+``RetryFailedTrialCallback`` does, at most
+:data:`~autoprec.agents.optuna_study.MAX_RETRY` times), so that the budget is spent in full
+and a resumed search goes on as an uninterrupted one:
 
 * interrupted (Ctrl-C, SIGTERM, an exception): the worker tells FAIL and enqueues the retry;
 * killed (SIGKILL, a lost machine): the trial stays RUNNING. Every trial carries the user attr
   ``autoprec_worker`` (host, pid, process start); a worker fails at once a RUNNING trial of its
   own host whose process is gone. A storage URL is opened as an ``RDBStorage`` with a heartbeat
-  (:data:`HEARTBEAT_INTERVAL`, :data:`GRACE_PERIOD` seconds), which fails the trials of other
+  (:data:`~autoprec.agents.optuna_study.HEARTBEAT_INTERVAL`,
+  :data:`~autoprec.agents.optuna_study.GRACE_PERIOD` seconds), which fails the trials of other
   machines whose heartbeat stopped (``optuna.storages.fail_stale_trials``); a worker that finds
   the budget taken only thanks to RUNNING trials of other machines waits until they finish or
   go stale (at most the grace period and two heartbeats). A live worker's trials are never
@@ -44,43 +46,39 @@ malformed URL) raises :class:`StorageError`, which names the URL with its passwo
 from __future__ import annotations
 
 import hashlib
-import inspect
 import math
-import os
-import re
-import socket
-import threading
 import time
 import warnings
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from autoprec.agents.base import Agent, Session, Trial
+from autoprec.agents.naming import search_name
+from autoprec.agents.optuna_study import (
+    WORKER,
+    WORKER_ATTR,
+    StorageError,
+    check_study,
+    count,
+    dead,
+    heartbeat,
+    heartbeat_interval,
+    load_trials,
+    open_storage,
+    quiet_optuna,
+    retry_callback,
+    shown_storage,
+    storage_error,
+    study_name_for,
+    tell,
+    user_attrs,
+    worker_of,
+)
 from autoprec.agents.simple import baseline_policies
 
 PENALTY_VALUES = {"loss_delta": 10.0, "speedup": 0.0, "memory_ratio": 10.0}
-HEARTBEAT_INTERVAL = 10  # seconds between heartbeats of a running trial (RDB storages)
-GRACE_PERIOD = 60  # seconds without a heartbeat before another worker fails the trial
-MAX_RETRY = 2  # a trial whose worker died is enqueued again at most this often
 POLL_S = 1.0  # how often a waiting worker looks at the study again
-WORKER_ATTR = "autoprec_worker"
-# for PostgreSQL, SQLAlchemy's default driver (2.1 on: psycopg; before: psycopg2)
-_DRIVER_HINT = "for PostgreSQL: pip install 'psycopg[binary]' (autoprec's postgres extra)"
-
-
-class StorageError(ValueError):
-    """The Optuna storage cannot be opened: driver missing, server unreachable, bad URL."""
-
-
-def shown_storage(storage: Any) -> str:
-    """A storage URL fit to print: the password of ``scheme://user:password@host`` hidden.
-
-    Example:
-        >>> shown_storage("postgresql://me:secret@db.example/study")
-        'postgresql://me:***@db.example/study'
-    """
-    return re.sub(r"^([A-Za-z][\w+.-]*://[^:/@]*:)[^@]*@", r"\1***@", str(storage))
+__all__ = ["NSGA2Agent", "PENALTY_VALUES", "StorageError", "TPEAgent", "shown_storage"]
 
 
 class _OptunaAgent(Agent):
@@ -88,11 +86,16 @@ class _OptunaAgent(Agent):
 
     Args:
         storage: an Optuna storage URL or object; None keeps the study in memory.
-        study_name: None: ``autoprec-<agent>-<model>-<target>-<fidelity>``.
+        study_name: the study, used as it is (loaded if it exists); None: the study of the
+            search's ``name`` (:func:`~autoprec.agents.optuna_study.study_name_for`: a new
+            one unless ``resume``).
         sampler: an ``optuna.samplers.BaseSampler`` to use instead of the default.
         enqueue_baselines: enqueue fp32, AMP and the default rule in a new study.
         max_repeats: stop after this many proposals in a row that were duplicates (the space
             may be smaller than the budget).
+        resume: continue the study of ``name`` rather than start a new one beside it.
+        name: the search's name; None: :func:`~autoprec.agents.naming.search_name` of the
+            model, data, target, agent and seed.
     """
 
     directions: ClassVar[tuple[str, ...]] = ()
@@ -104,7 +107,11 @@ class _OptunaAgent(Agent):
         sampler: Any = None,
         enqueue_baselines: bool = True,
         max_repeats: int = 100,
+        *,
+        resume: bool = False,
+        name: str | None = None,
     ) -> None:
+        super().__init__(resume=resume, name=name)
         self.storage = storage
         self.study_name = study_name
         self.sampler = sampler
@@ -121,20 +128,24 @@ class _OptunaAgent(Agent):
 
     # --- the loop -----------------------------------------------------------------------------
     def run(self, session: Session) -> None:
+        with quiet_optuna():  # the progress of the search is the caller's to show
+            self._run(session)
+
+    def _run(self, session: Session) -> None:
         from optuna.distributions import CategoricalDistribution
         from optuna.trial import TrialState
 
         problem = session.problem
         layers = problem.layers()
         distributions = {n: CategoricalDistribution(problem.choices(n)) for n in layers}
-        self._retry = _retry_callback()
+        self._retry = retry_callback()
         study = self._create_study(session)
         storage = self._opened
         session.result.info["study_name"] = study.study_name
         if isinstance(self.storage, str):
             session.result.info["storage"] = self.storage
-        self._check_study(study, session)
-        self._load(study, session)
+        check_study(study, session)
+        load_trials(study, session)
         if self.enqueue_baselines and not study.get_trials(deepcopy=False):
             for name, policy in baseline_policies(session):
                 fits = all(policy[n] in distributions[n].choices for n in layers)
@@ -151,11 +162,11 @@ class _OptunaAgent(Agent):
                 with warnings.catch_warnings():  # "heartbeat ... used with Study.optimize"
                     warnings.simplefilter("ignore", UserWarning)
                     trial = study.ask(distributions)
-                trial.set_user_attr(WORKER_ATTR, _WORKER)
+                trial.set_user_attr(WORKER_ATTR, WORKER)
                 evaluating = False
                 try:
                     states = (TrialState.COMPLETE, TrialState.RUNNING, TrialState.WAITING)
-                    if _count(study, states, below=trial.number) >= session.budget:
+                    if count(study, states, below=trial.number) >= session.budget:
                         trial.set_user_attr("autoprec_skipped", "budget reached by other workers")
                         study.tell(trial, state=TrialState.FAIL)
                         return
@@ -171,12 +182,12 @@ class _OptunaAgent(Agent):
                     if "baseline" in trial.user_attrs:
                         attrs["name"] = trial.user_attrs["baseline"]
                     evaluating = True
-                    with _heartbeat(storage, trial):
+                    with heartbeat(storage, trial):
                         result = session.evaluate(policy, notify=False, **attrs)
                     evaluating = False
-                    for key, value in _user_attrs(result).items():
+                    for key, value in user_attrs(result).items():
                         trial.set_user_attr(key, value)
-                    _tell(study, trial, self.values(result))
+                    tell(study, trial, self.values(result))
                 except BaseException:
                     frozen = study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
                     if evaluating and frozen.state == TrialState.FAIL:
@@ -184,28 +195,9 @@ class _OptunaAgent(Agent):
                     raise
                 session.notify(result)
         finally:
-            self._load(study, session)  # what other workers finished meanwhile
+            load_trials(study, session)  # what other workers finished meanwhile
 
     # --- helpers ------------------------------------------------------------------------------
-    def _open_storage(self) -> Any:
-        """``storage`` itself, or for a URL an ``RDBStorage`` with a heartbeat whose stale
-        trials are retried."""
-        if not isinstance(self.storage, str):
-            return self.storage
-        import optuna
-
-        name = "heartbeat_stale_trial_callback"  # optuna >= 4.9; before: failed_trial_callback
-        if name not in inspect.signature(optuna.storages.RDBStorage).parameters:
-            name = "failed_trial_callback"
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            return optuna.storages.RDBStorage(
-                self.storage,
-                heartbeat_interval=HEARTBEAT_INTERVAL,
-                grace_period=GRACE_PERIOD,
-                **{name: self._retry},
-            )
-
     def _budget_left(self, study: Any, budget: int) -> bool:
         """Whether another trial may be asked, once the trials of dead workers are failed.
 
@@ -223,12 +215,12 @@ class _OptunaAgent(Agent):
             running = [t for t in trials if t.state == TrialState.RUNNING]
             if len(trials) < budget:
                 return True
-            if len(trials) - len(running) >= budget or _heartbeat_interval(self._opened) is None:
+            if len(trials) - len(running) >= budget or heartbeat_interval(self._opened) is None:
                 return False
-            if all(_worker(t).get("host") == _WORKER["host"] for t in running):
+            if all(worker_of(t).get("host") == WORKER["host"] for t in running):
                 return False  # all alive (the dead ones of this host were failed)
             if deadline is None:
-                interval = _heartbeat_interval(self._opened) or 0
+                interval = heartbeat_interval(self._opened) or 0
                 grace = getattr(self._opened, "grace_period", None) or 2 * interval
                 deadline = time.monotonic() + grace + 2 * interval
             if time.monotonic() > deadline:
@@ -242,7 +234,7 @@ class _OptunaAgent(Agent):
         from optuna.trial import TrialState
 
         for frozen in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            if not _dead(_worker(frozen)):
+            if not dead(worker_of(frozen)):
                 continue
             try:  # not study.tell: the trial is another process's
                 failed = study._storage.set_trial_state_values(frozen._trial_id, TrialState.FAIL)
@@ -258,7 +250,7 @@ class _OptunaAgent(Agent):
         """The seed of the next proposal: the search's seed and the finished trials."""
         from optuna.trial import TrialState
 
-        done = _count(study, (TrialState.COMPLETE, TrialState.PRUNED))
+        done = count(study, (TrialState.COMPLETE, TrialState.PRUNED))
         digest = hashlib.sha256(f"{session.seed}:{done}".encode()).digest()
         return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
@@ -267,14 +259,16 @@ class _OptunaAgent(Agent):
         its tables (``table ... already exists`` from SQLAlchemy); the loser tries again."""
         import optuna
 
+        study_name = self.study_name or self.default_study_name(session)
+
         def create() -> Any:
-            self._opened = self._open_storage()
+            self._opened = open_storage(self.storage, self._retry)
             return optuna.create_study(
                 storage=self._opened,
                 sampler=self.sampler
                 if self.sampler is not None
                 else self.make_sampler(session, session.seed),
-                study_name=self.study_name or self.default_study_name(session),
+                study_name=study_name,
                 directions=list(self.directions),
                 load_if_exists=True,
             )
@@ -284,82 +278,29 @@ class _OptunaAgent(Agent):
             try:
                 return create()
             except ImportError as exc:
-                raise self._storage_error(exc) from None
+                raise storage_error(self.storage, exc) from None
             except Exception as exc:
                 if type(exc).__module__.split(".")[0] != "sqlalchemy":
                     raise
                 if attempt == attempts:
-                    raise self._storage_error(exc) from None
+                    raise storage_error(self.storage, exc) from None
                 time.sleep(0.2 * (attempt + 1))
         raise AssertionError("unreachable")  # the loop returns or raises
 
-    def _storage_error(self, exc: BaseException) -> StorageError:
-        """One line naming the storage (password hidden) and, where known, the fix."""
-        where = shown_storage(self.storage)
-        if isinstance(exc, ImportError):
-            return StorageError(
-                f"cannot open Optuna storage {where}: its database driver is not installed; "
-                + _DRIVER_HINT
-            )
-        cause = getattr(exc, "orig", None) or exc  # the driver's own error, without SQL
-        text = " ".join(str(cause).split()).replace(str(self.storage), where)
-        if len(text) > 200:
-            text = text[:197] + "..."
-        return StorageError(
-            f"cannot open Optuna storage {where}: {text}; check the URL and that the database "
-            "server is running"
-        )
-
     def default_study_name(self, session: Session) -> str:
-        problem = session.problem
-        return (
-            f"autoprec-{self.name}-{problem.evaluator.spec.name}-"
-            f"{problem.evaluator.device.name}-{problem.fidelity}"
-        )
-
-    @staticmethod
-    def _check_study(study: Any, session: Session) -> None:
-        """Refuse a study made for another model, target or fidelity."""
-        problem = session.problem
-        meta = {
-            "model": problem.evaluator.spec.name,
-            "target": problem.evaluator.device.name,
-            "fidelity": problem.fidelity,
-            "layers": problem.layers(),
-        }
-        stored = study.user_attrs.get("autoprec")
-        if stored is None:
-            study.set_user_attr("autoprec", meta)
-            return
-        differ = sorted(k for k in meta if stored.get(k) != meta[k])
-        if differ:
-            raise ValueError(
-                f"study {study.study_name!r} was made for "
-                + ", ".join(f"{k}={stored.get(k)!r}" for k in differ)
-                + "; this search has "
-                + ", ".join(f"{k}={meta[k]!r}" for k in differ)
-                + "; pass another study_name"
+        """The study of this search: :func:`~autoprec.agents.optuna_study.study_name_for`
+        the search's name (a new study unless resuming)."""
+        name = self.search_name
+        if name is None:
+            evaluator = session.problem.evaluator
+            name = search_name(
+                evaluator.spec.name,
+                evaluator.data.name,
+                evaluator.device.name,
+                self.name,
+                session.seed,
             )
-
-    @staticmethod
-    def _load(study: Any, session: Session) -> None:
-        """Add the study's COMPLETE trials that this search does not hold yet."""
-        from optuna.trial import TrialState
-
-        from autoprec.evaluate.metrics import Metrics
-
-        for frozen in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
-            if session.seen(frozen.params) is not None:
-                continue
-            attrs = frozen.user_attrs
-            if "metrics" in attrs:
-                metrics = Metrics.from_dict(attrs["metrics"])
-            else:  # not written by autoprec: evaluate it (a cache hit if it was)
-                metrics = session.problem.evaluate(session.problem.complete(frozen.params))
-            extra = {"optuna_trial": frozen.number, "loaded": True}
-            if "baseline" in attrs:
-                extra["name"] = attrs["baseline"]
-            session.load(frozen.params, metrics, float(attrs.get("wall_time_s", 0.0)), **extra)
+        return study_name_for(self.storage, name, self.resume)
 
     @staticmethod
     def _duplicate(
@@ -378,113 +319,6 @@ class _OptunaAgent(Agent):
         return None
 
 
-def _process_start(pid: int) -> str | None:
-    """When process ``pid`` started (Linux: clock ticks since boot), None where unknown."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
-_WORKER = {"host": socket.gethostname(), "pid": os.getpid(), "start": _process_start(os.getpid())}
-
-
-def _worker(trial: Any) -> dict[str, Any]:
-    worker = trial.user_attrs.get(WORKER_ATTR)
-    return worker if isinstance(worker, dict) else {}
-
-
-def _dead(worker: Mapping[str, Any]) -> bool:
-    """Whether the worker of a trial is a process of this host that is gone (a reused pid
-    counts as gone when its start time differs; without one it counts as alive)."""
-    pid = worker.get("pid")
-    if worker.get("host") != _WORKER["host"] or not isinstance(pid, int) or pid <= 0:
-        return False
-    if pid == os.getpid():
-        return worker.get("start") != _WORKER["start"]
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:  # e.g. another user's process: it exists
-        return False
-    start = _process_start(pid)
-    return start is not None and worker.get("start") is not None and start != worker["start"]
-
-
-def _retry_callback() -> Any:
-    import optuna
-
-    cls = getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback", None)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        warnings.simplefilter("ignore", FutureWarning)
-        return (cls or optuna.storages.RetryFailedTrialCallback)(max_retry=MAX_RETRY)
-
-
-def _heartbeat_interval(storage: Any) -> int | None:
-    getter = getattr(storage, "get_heartbeat_interval", None)
-    return getter() if callable(getter) else None
-
-
-@contextmanager
-def _heartbeat(storage: Any, trial: Any) -> Iterator[None]:
-    """Record ``trial``'s heartbeat now and every interval until the block ends (what
-    ``study.optimize`` does for its trials; ask-and-tell has to do it itself)."""
-    interval = _heartbeat_interval(storage)
-    if interval is None:
-        yield
-        return
-    trial_id = trial._trial_id  # no public name for it
-    storage.record_heartbeat(trial_id)
-    stop = threading.Event()
-
-    def beat() -> None:
-        while not stop.wait(interval):
-            try:
-                storage.record_heartbeat(trial_id)
-            except Exception:  # noqa: BLE001 - a busy database: the next beat tries again
-                pass
-
-    thread = threading.Thread(target=beat, name="autoprec-heartbeat", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
-
-
-def _tell(study: Any, trial: Any, values: list[float]) -> None:
-    """``study.tell``; a trial another worker has failed meanwhile (its heartbeat was late)
-    keeps its result in this search and in the evaluator's cache, where its retry finds it."""
-    import optuna
-
-    try:
-        study.tell(trial, values)
-    except optuna.exceptions.UpdateFinishedTrialError:
-        warnings.warn(
-            f"trial {trial.number} was failed by another worker (its heartbeat came late); its "
-            "retry is served from the evaluator's cache",
-            stacklevel=2,
-        )
-
-
-def _count(study: Any, states: tuple[Any, ...], below: int | None = None) -> int:
-    trials = study.get_trials(deepcopy=False, states=states)
-    return sum(1 for t in trials if below is None or t.number < below)
-
-
-def _user_attrs(trial: Trial) -> dict[str, Any]:
-    return {
-        "metrics": trial.metrics.to_dict(),
-        "reward": trial.reward,
-        "fidelity": trial.fidelity,
-        "wall_time_s": trial.wall_time_s,
-    }
-
-
 def _finite(value: float, penalty: float) -> float:
     return float(value) if math.isfinite(value) else penalty
 
@@ -496,7 +330,7 @@ class TPEAgent(_OptunaAgent):
         n_startup_trials: random (or enqueued) trials before TPE; None: a quarter of the
             budget, between 4 and 10.
         **kwargs: see :class:`_OptunaAgent` (``storage``, ``study_name``, ``sampler``,
-            ``enqueue_baselines``, ``max_repeats``).
+            ``enqueue_baselines``, ``max_repeats``, ``resume``, ``name``).
     """
 
     name = "tpe"
@@ -510,8 +344,13 @@ class TPEAgent(_OptunaAgent):
         enqueue_baselines: bool = True,
         max_repeats: int = 100,
         n_startup_trials: int | None = None,
+        *,
+        resume: bool = False,
+        name: str | None = None,
     ) -> None:
-        super().__init__(storage, study_name, sampler, enqueue_baselines, max_repeats)
+        super().__init__(
+            storage, study_name, sampler, enqueue_baselines, max_repeats, resume=resume, name=name
+        )
         self.n_startup_trials = n_startup_trials
 
     def make_sampler(self, session: Session, seed: int) -> Any:
@@ -547,6 +386,9 @@ class NSGA2Agent(_OptunaAgent):
         enqueue_baselines: bool = True,
         max_repeats: int = 100,
         population_size: int | None = None,
+        *,
+        resume: bool = False,
+        name: str | None = None,
     ) -> None:
         if isinstance(sampler, str) and sampler not in ("nsga2", "tpe"):
             raise ValueError(
@@ -558,6 +400,8 @@ class NSGA2Agent(_OptunaAgent):
             None if isinstance(sampler, str) else sampler,
             enqueue_baselines,
             max_repeats,
+            resume=resume,
+            name=name,
         )
         self.kind = sampler if isinstance(sampler, str) else "custom"
         self.population_size = population_size

@@ -10,10 +10,10 @@ reward.
 Given its seed and the real evaluations' results, the search is deterministic, and that is how
 it resumes: each training and each proposal phase reseeds the generators SB3 draws from (from
 the search's seed and the round), so that nothing the evaluator draws in between (a fresh
-fine-tuning run, where a resumed search finds a cache hit) changes what PPO does. With
-``checkpoint_dir``, the agent's state is saved at the start and after each training phase
-(``ppo_model.zip``: the model and its optimiser; ``ppo_state.json``: the round, the pool of
-proposals and the real trials so far). A new search
+fine-tuning run, where a resumed search finds a cache hit) changes what PPO does. With a
+checkpoint folder (``checkpoint_dir``, or the search's ``name``'s), the agent's state is saved at
+the start and after each training phase (``ppo_model.zip``: the model and its optimiser;
+``ppo_state.json``: the round, the pool of proposals and the real trials so far). A new search
 with the same settings loads it, re-reads the real trials it lists (served by the evaluator's
 cache, so that the surrogate is refit exactly as it was; they count against the budget but do
 not call the callbacks again) and goes on from there; evaluations finished after the
@@ -25,15 +25,20 @@ gives the same result, only later.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from autoprec.agents.base import SURROGATE, Agent, Session, StopSearch
+from autoprec.agents.base import SURROGATE, Agent, Problem, Session, StopSearch
+from autoprec.agents.naming import file_safe
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autoprec.envs.precision_env import PrecisionEnv
 
 CHECKPOINT_NAME = "ppo_model.zip"
 STATE_NAME = "ppo_state.json"
@@ -83,20 +88,21 @@ def rollout_sizes(
     return n_steps, batch_size
 
 
-class _SurrogateView:
-    """The problem's evaluator with the surrogate as its default fidelity (for the env)."""
+def surrogate_env(problem: Problem) -> PrecisionEnv:
+    """The environment of ``problem`` that PPO trains on: its layers, masks and reward, each
+    episode's policy scored at the surrogate fidelity."""
+    from autoprec.envs.precision_env import PrecisionEnv
 
-    def __init__(self, session: Session) -> None:
-        self._problem = session.problem
-        self._evaluator = session.problem.evaluator
-
-    def evaluate(self, policy: Any, fidelity: str | None = None) -> Any:
-        if isinstance(policy, Mapping):
-            policy = self._problem.to_policy(policy)
-        return self._evaluator.evaluate(policy, fidelity or SURROGATE)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._evaluator, name)
+    table = problem.table
+    return PrecisionEnv(
+        functools.partial(problem.evaluate, fidelity=SURROGATE),
+        table,
+        problem.evaluator.surrogate().table,
+        problem.evaluator.device,
+        problem.reward,
+        problem.precisions,
+        {layer: problem.choices(layer) for layer in table.names},
+    )
 
 
 def _callback_class() -> type:
@@ -153,11 +159,17 @@ class PPOAgent(Agent):
             deterministic); None: ``max(16, 2 x budget)``.
         checkpoint_dir: where the agent's state is saved (``ppo_model.zip`` and
             ``ppo_state.json``) at the start and after each training phase; a search with the
-            same settings that finds it goes on from there (see the module's docstring).
+            same settings that finds it goes on from there (see the module's docstring),
+            whatever ``resume`` says. None: the folder of ``name``, if given.
         ppo_kwargs: overrides of the ``MaskablePPO`` arguments (defaults: ``gamma=1.0``,
             ``ent_coef=0.01``, ``batch_size`` a divisor of the rollout, half of it by default,
             ``device="cpu"``).
         verbose: SB3's verbosity.
+        resume: with the folder of ``name``, go on from its checkpoint; False empties the
+            folder first (a new search starts a new agent).
+        name: the search's name; without ``checkpoint_dir``, the state is kept in
+            ``cache_dir() / "agents" / file_safe(name)``. None (and no ``checkpoint_dir``):
+            nothing is saved.
 
     Raises:
         ValueError: a bad ``rounds``, ``n_envs``, ``timesteps`` or ``n_steps``, or (when the
@@ -176,7 +188,11 @@ class PPOAgent(Agent):
         checkpoint_dir: str | Path | None = None,
         ppo_kwargs: Mapping[str, Any] | None = None,
         verbose: int = 0,
+        *,
+        resume: bool = False,
+        name: str | None = None,
     ) -> None:
+        super().__init__(resume=resume, name=name)
         for what, value, low in (("rounds", rounds, 1), ("n_envs", n_envs, 1)):
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"{what} must be an integer >= {low}, got {value!r}")
@@ -190,6 +206,11 @@ class PPOAgent(Agent):
         self.n_steps = n_steps
         self.proposals = proposals
         self.checkpoint_dir = None if checkpoint_dir is None else Path(checkpoint_dir)
+        self._start_over = self.checkpoint_dir is None and name is not None and not resume
+        if self.checkpoint_dir is None and name is not None:
+            from autoprec.cache import cache_dir
+
+            self.checkpoint_dir = cache_dir() / "agents" / file_safe(name)
         self.ppo_kwargs = dict(ppo_kwargs or {})
         self.verbose = verbose
 
@@ -199,22 +220,18 @@ class PPOAgent(Agent):
         return None if self.checkpoint_dir is None else self.checkpoint_dir / CHECKPOINT_NAME
 
     def run(self, session: Session) -> None:
-        from autoprec.envs.precision_env import PrecisionEnv
-
+        if self._start_over and self.checkpoint_dir.exists():
+            for item in self.checkpoint_dir.iterdir():  # a new search starts a new agent
+                if item.is_file():
+                    item.unlink()
         problem = session.problem
         n_layers = len(problem.layers())
         kwargs = self._ppo_arguments(session, n_layers)
         total = self.timesteps or min(n_layers * max(128, 32 * session.budget), MAX_TIMESTEPS)
         proposals = self.proposals if self.proposals is not None else max(16, 2 * session.budget)
         settings = self._settings(session, kwargs, total, proposals)
-        view = _SurrogateView(session)
-        env_args = {
-            "precisions": problem.precisions,
-            "reward_weights": problem.reward_weights,
-            "accuracy_tolerance": problem.accuracy_tolerance,
-        }
-        sampler_env = PrecisionEnv(evaluator=view, **env_args)
-        venv = self._make_venv(session, view, env_args)
+        sampler_env = surrogate_env(problem)
+        venv = self._make_venv(session)
         pool: Pool = {}
         collector = _callback_class()(session, pool)
         problem.evaluator.reference(SURROGATE)  # the surrogate's scale, before any seeding
@@ -276,8 +293,8 @@ class PPOAgent(Agent):
                     "fidelity": problem.fidelity,
                     "layers": problem.layers(),
                     "precisions": list(problem.precisions),
-                    "reward_weights": problem.reward_weights,
-                    "accuracy_tolerance": problem.accuracy_tolerance,
+                    "reward_weights": dict(problem.reward.weights),
+                    "accuracy_tolerance": problem.reward.tolerance,
                     "budget": session.budget,
                     "seed": session.seed,
                     "timesteps": total,
@@ -290,14 +307,14 @@ class PPOAgent(Agent):
             )
         )
 
-    def _make_venv(self, session: Session, view: _SurrogateView, env_args: dict) -> Any:
+    def _make_venv(self, session: Session) -> Any:
+        """One :func:`surrogate_env` here, or ``n_envs`` rebuilt by name in worker processes
+        (:func:`autoprec.envs.vec.make_vec` of ``problem.env_kwargs``)."""
         if self.n_envs == 1:
             from stable_baselines3.common.monitor import Monitor
             from stable_baselines3.common.vec_env import DummyVecEnv
 
-            from autoprec.envs.precision_env import PrecisionEnv
-
-            venv = DummyVecEnv([lambda: Monitor(PrecisionEnv(evaluator=view, **env_args))])
+            venv = DummyVecEnv([lambda: Monitor(surrogate_env(session.problem))])
             venv.seed(session.seed)
             return venv
         from autoprec.envs.vec import make_vec

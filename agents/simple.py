@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autoprec.agents.base import Agent, Session, nearest_allowed
 from autoprec.precision import Precision, parse_precision
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autoprec.graph.grade import SensitivityTable
 
 
 def baseline_policies(session: Session) -> list[tuple[str, dict[str, str]]]:
@@ -61,7 +64,10 @@ class RandomAgent(Agent):
 
     name = "random"
 
-    def __init__(self, max_repeats: int = 1000) -> None:
+    def __init__(
+        self, max_repeats: int = 1000, *, resume: bool = False, name: str | None = None
+    ) -> None:
+        super().__init__(resume=resume, name=name)
         self.max_repeats = max_repeats
 
     def run(self, session: Session) -> None:
@@ -86,7 +92,8 @@ class GreedyAgent(Agent):
     Starts from uniform fp32 (``start="fp32"``) or the target's default rule
     (``start="default"``) and evaluates it. Layers are then visited from the least to the most
     sensitive: the sensitivity of a layer is ``|loss_delta|`` at the narrowest allowed
-    precision in the evaluator's surrogate sensitivity table (``evaluator.surrogate().table``).
+    precision in the evaluator's surrogate sensitivity table (``evaluator.surrogate().table``,
+    read by :func:`layer_sensitivity`).
     Each layer is lowered one precision at a time (e.g. fp32 -> tf32 -> bf16 -> fp16 -> fp8,
     among the allowed ones); a lowering is kept when the real evaluation neither diverges nor
     exceeds the accuracy tolerance and its reward beats the best so far. A lowering that only
@@ -101,7 +108,15 @@ class GreedyAgent(Agent):
 
     name = "greedy"
 
-    def __init__(self, start: str = "fp32", max_passes: int = 3) -> None:
+    def __init__(
+        self,
+        start: str = "fp32",
+        max_passes: int = 3,
+        *,
+        resume: bool = False,
+        name: str | None = None,
+    ) -> None:
+        super().__init__(resume=resume, name=name)
         if start not in ("fp32", "default"):
             raise ValueError(f"start must be 'fp32' or 'default', got {start!r}")
         if max_passes < 1:
@@ -118,7 +133,7 @@ class GreedyAgent(Agent):
         for name in layers:
             allowed = problem.choices(name)
             lowest = min(allowed, key=lambda p: parse_precision(p).width)
-            scores[name] = _sensitivity(table, name, lowest)
+            scores[name] = layer_sensitivity(table, name, lowest)[1]
         return sorted(layers, key=lambda n: scores[n])  # stable: ties keep execution order
 
     def run(self, session: Session) -> None:
@@ -138,7 +153,7 @@ class GreedyAgent(Agent):
                         return
                     trial = session.evaluate({**current, name: precision}, step=name)
                     m = trial.metrics
-                    if m.diverged or not m.feasible or m.loss_delta > problem.accuracy_tolerance:
+                    if m.diverged or not m.feasible or m.loss_delta > problem.reward.tolerance:
                         break
                     if trial.reward > best.reward:
                         best, current, changed = trial, dict(trial.policy), True
@@ -153,11 +168,15 @@ def _narrower(precision: str, allowed: list[str]) -> list[str]:
     return sorted(lower, key=lambda p: -parse_precision(p).width)
 
 
-def _sensitivity(table: Any, layer: str, precision: str) -> float:
-    """``|loss_delta|`` of ``layer`` at ``precision`` (or the nearest wider one in the table);
-    infinite when the table does not know the layer or the value is not finite."""
-    if layer not in table.layers:
-        return math.inf
-    column = nearest_allowed(precision, list(table.precisions))
-    value = table.loss_delta[table.layers.index(layer)][table.precisions.index(column)]
+def layer_sensitivity(table: SensitivityTable, layer: str, precision: Any) -> tuple[float, float]:
+    """``(gradient distance, |loss_delta|)`` of ``layer`` at ``precision`` in a sensitivity
+    table (or at its nearest wider precision there); infinite when the table does not know the
+    layer or a value is not finite."""
+    entry = table.entry(layer, nearest_allowed(precision, list(table.precisions)))
+    if entry is None:
+        return (math.inf, math.inf)
+    return (_magnitude(entry.grad_distance), _magnitude(entry.loss_delta))
+
+
+def _magnitude(value: float) -> float:
     return abs(value) if math.isfinite(value) else math.inf

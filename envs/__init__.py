@@ -1,7 +1,7 @@
-"""Gymnasium environments of autoprec (see DESIGN.md, "Environment").
+"""Gymnasium environments of autoprec (see docs/architecture.md).
 
 Importing this package registers ``autoprec/PrecisionSearch-v0`` (once; importing it again
-does nothing):
+does nothing), built by name by :func:`~autoprec.envs.factory.make_env`:
 
     >>> import gymnasium
     >>> import autoprec.envs
@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import gymnasium
 
-from autoprec.envs.precision_env import DEFAULT_REWARD_WEIGHTS, PrecisionEnv, reward
+from autoprec.envs.factory import make_env
+from autoprec.envs.precision_env import PrecisionEnv
+from autoprec.evaluate.reward import reward
 
 ENV_ID = "autoprec/PrecisionSearch-v0"
 
@@ -22,7 +24,7 @@ def _register() -> None:
         return
     gymnasium.register(
         id=ENV_ID,
-        entry_point="autoprec.envs.precision_env:PrecisionEnv",
+        entry_point="autoprec.envs.factory:make_env",
         # The evaluator's measured step times (on a local GPU) vary from run to run.
         nondeterministic=True,
     )
@@ -30,4 +32,4 @@ def _register() -> None:
 
 _register()
 
-__all__ = ["DEFAULT_REWARD_WEIGHTS", "ENV_ID", "PrecisionEnv", "reward"]
+__all__ = ["ENV_ID", "PrecisionEnv", "make_env", "reward"]

@@ -1,5 +1,8 @@
 """Vectorised :class:`~autoprec.envs.PrecisionEnv` for Stable-Baselines3 (PPO, MaskablePPO).
 
+Each environment is built by name by :func:`~autoprec.envs.factory.make_env` (the registered
+factory), in its worker process.
+
 ``SubprocVecEnv`` starts its workers with ``spawn`` (or ``forkserver``): each worker imports
 the script that created it, so a script that calls :func:`make_vec` with ``n_envs > 1`` must
 guard its entry point, or every worker would start workers of its own::
@@ -26,14 +29,14 @@ from typing import Any
 def _make_env(env_kwargs: dict[str, Any], monitor: bool, torch_threads: int | None) -> Any:
     from stable_baselines3.common.monitor import Monitor
 
-    from autoprec.envs.precision_env import PrecisionEnv
+    from autoprec.envs.factory import make_env
 
     if torch_threads is not None:
         import torch
 
         torch.set_num_threads(torch_threads)
 
-    env = PrecisionEnv(**env_kwargs)
+    env = make_env(**env_kwargs)
     return Monitor(env) if monitor else env
 
 
@@ -61,9 +64,9 @@ def make_vec(
             in-process env alone.
         env_seed: the environments' own ``seed`` argument (their evaluator's seed: warm
             start and data order), which ``seed`` above would otherwise shadow; None keeps
-            :class:`~autoprec.envs.PrecisionEnv`'s default.
-        **env_kwargs: keyword arguments of :class:`~autoprec.envs.PrecisionEnv` (all must be
-            picklable when ``n_envs > 1``; an ``evaluator`` is copied into every worker).
+            :func:`~autoprec.envs.factory.make_env`'s default.
+        **env_kwargs: keyword arguments of :func:`~autoprec.envs.factory.make_env` (all must
+            be picklable when ``n_envs > 1``; an ``evaluator`` is copied into every worker).
 
     Raises:
         ValueError: ``n_envs`` below 1 or an unknown start method.

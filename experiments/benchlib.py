@@ -192,6 +192,18 @@ def dataset_suffix(dataset: str, sep: str = "_") -> str:
     return "" if dataset == DEFAULT_DATASET else f"{sep}{dataset}"
 
 
+def train_steps(
+    model: Any, spec: Any, batches: Iterable[Any], opt: Any, scaler: Any, dev: Any
+) -> None:
+    """One optimiser step per ``(x, y)`` batch on ``dev``, the loss scaled by ``scaler``."""
+    for x, y in batches:
+        x, y = x.to(dev), y.to(dev)
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(spec.loss(model(x), y)).backward()
+        scaler.step(opt)
+        scaler.update()
+
+
 @torch.no_grad()
 def score_split(
     model: torch.nn.Module, spec: Any, data: Any, split: str, device: Any = None

@@ -33,18 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import benchlib
 import torch
-from benchlib import (
-    DOCS,
-    autocast_support,
-    invocation,
-    md_table,
-    parse_args,
-    provenance,
-    rel_diff,
-    score_split,
-    write_section,
-)
+from benchlib import DOCS, autocast_support, invocation, md_table, parse_args
 from torch import nn
 
 from autoprec.data import load_dataset_for
@@ -152,15 +143,10 @@ def train(
     scaler = LossScaler.from_policy(policy_for(precision) if mode else None, device=dev)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     start = time.perf_counter()
-    for x, y in batches:
-        x, y = x.to(dev), y.to(dev)
-        opt.zero_grad(set_to_none=True)
-        scaler.scale(spec.loss(model(x), y)).backward()
-        scaler.step(opt)
-        scaler.update()
+    benchlib.train_steps(model, spec, batches, opt, scaler, dev)
     wall = time.perf_counter() - start
-    loss, _ = score_split(model, spec, data, "train", dev)
-    _, accuracy = score_split(model, spec, data, "val", dev)
+    loss, _ = benchlib.score_split(model, spec, data, "train", dev)
+    _, accuracy = benchlib.score_split(model, spec, data, "val", dev)
     undo()
     return {"loss": loss, "accuracy": accuracy, "wall_s": wall}
 
@@ -176,8 +162,8 @@ def measure(args: Args, precision: str, seed: int) -> dict[str, float]:
     runs = {m: train(spec, data, precision, m, batches, args) for m in MODES}
     out = {}
     for label, a, b in PAIRS:
-        out[f"output:{label}"] = rel_diff(probe[a][0], probe[b][0])
-        out[f"gradient:{label}"] = rel_diff(probe[a][1], probe[b][1])
+        out[f"output:{label}"] = benchlib.rel_diff(probe[a][0], probe[b][0])
+        out[f"gradient:{label}"] = benchlib.rel_diff(probe[a][1], probe[b][1])
         out[f"loss:{label}"] = abs(runs[a]["loss"] - runs[b]["loss"]) / runs[b]["loss"]
         out[f"accuracy:{label}"] = abs(runs[a]["accuracy"] - runs[b]["accuracy"])
     for m in MODES:
@@ -224,7 +210,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         [
             "## Simulator fidelity: emulated against native low precision",
             "",
-            provenance(invocation(__file__)),
+            benchlib.provenance(invocation(__file__)),
             f"{args.model} on {args.dataset}, trained {args.steps} steps at batch "
             f"{args.batch_size} (SGD lr {args.lr:g}, momentum {args.momentum:g}) from the same "
             f"seeded weights on the same batches, once in fp32, once with every tunable layer "
@@ -274,7 +260,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     print(body)
     if args.write_docs:
-        write_section("fidelity", body, path=args.docs)
+        benchlib.write_section("fidelity", body, path=args.docs)
     return results
 
 

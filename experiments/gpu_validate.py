@@ -77,6 +77,7 @@ from benchlib import (
     provenance,
     read_section,
     rel_diff,
+    train_steps,
     write_section,
 )
 
@@ -234,12 +235,7 @@ def run_small(spec: Any, policy: Any, mode: str | None, batches: list, dev: torc
             loss0 = float(spec.loss(out0, y0))
         scaler = LossScaler.from_policy(policy if mode else None, device=dev)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)  # plain SGD: trajectories stay close
-        for x, y in batches:
-            x, y = x.to(dev), y.to(dev)
-            opt.zero_grad(set_to_none=True)
-            scaler.scale(spec.loss(model(x), y)).backward()
-            scaler.step(opt)
-            scaler.update()
+        train_steps(model, spec, batches, opt, scaler, dev)
         with torch.no_grad():
             final = float(spec.loss(model(x0), y0))
         if handle is not None:

@@ -31,15 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from benchlib import (
-    DOCS,
-    dataset_suffix,
-    invocation,
-    md_table,
-    parse_args,
-    provenance,
-    publish,
-)
+from benchlib import DOCS, dataset_suffix, invocation, md_table, parse_args, provenance, publish
 
 from autoprec.cache import cache_dir as default_cache_dir
 from autoprec.defaults import DEFAULT_DATASET

@@ -97,10 +97,11 @@ def _provenance_ok(section: str) -> None:
 # ----------------------------------------------------------------------------------- configs
 def _validated(path: Path) -> dict:
     """The options `autoprec search --config path` would run with (no search is run)."""
-    from autoprec.cli.search import _merge_config, search
+    from autoprec.cli.search import search
+    from autoprec.cli.search_config import merge_config
 
     ctx = search.make_context("search", ["--config", str(path)])
-    return _merge_config(ctx, dict(ctx.params))
+    return merge_config(ctx, dict(ctx.params))
 
 
 def test_there_are_the_configs_the_issue_asks_for():

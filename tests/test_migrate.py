@@ -6,6 +6,7 @@ from collections import OrderedDict
 
 import pytest
 import yaml
+from tinycnn_fixtures import made_up_metrics
 from torch import nn
 
 from autoprec.agents.migrate import MigrationError, check_precision, layer_blocks, migrate
@@ -186,21 +187,7 @@ class _FakeEvaluator:
 
     @staticmethod
     def _metrics(delta: float) -> Metrics:
-        return Metrics(
-            accuracy=0.9,
-            loss=1.0 + delta,
-            fp32_accuracy=0.9,
-            fp32_loss=1.0,
-            accuracy_delta=0.0,
-            loss_delta=delta,
-            speedup=1.0 + 10 * delta,
-            memory_ratio=1.0,
-            speedup_vs_amp=1.0,
-            memory_ratio_vs_amp=1.0,
-            step_time_s=0.1,
-            memory_bytes=1,
-            source="model",
-        )
+        return made_up_metrics(loss=1.0 + delta, loss_delta=delta, speedup=1.0 + 10 * delta)
 
 
 def _nested() -> nn.Module:

@@ -38,3 +38,16 @@ def spec(_loaded):
 @pytest.fixture
 def data(_loaded):
     return _loaded[1]
+
+
+def made_up_metrics(**changes):
+    """A finite, feasible :class:`~autoprec.evaluate.Metrics` of a model-priced short run;
+    ``changes`` replace fields (``loss_delta``, ``speedup``, ...)."""
+    from autoprec.evaluate import Metrics
+
+    fields = dict(
+        accuracy=0.9, loss=1.0, fp32_accuracy=0.9, fp32_loss=1.0, accuracy_delta=0.0,
+        loss_delta=0.0, speedup=1.0, memory_ratio=1.0, speedup_vs_amp=1.0,
+        memory_ratio_vs_amp=1.0, step_time_s=0.1, memory_bytes=1, source="model",
+    )  # fmt: skip
+    return Metrics(**{**fields, **changes})

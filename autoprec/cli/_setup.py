@@ -3,12 +3,27 @@
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+import click
+
+from autoprec.defaults import DEFAULT_DATASET
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 FALLBACK_TARGET = "h100-sxm"
 SMALL_IMAGE = 32  # fine-tuning image size for torchvision models on a CPU
+
+
+def fallback_note(doing: str) -> str:
+    """The line that says a CPU-only run targets :data:`FALLBACK_TARGET` (``doing``:
+    ``"optimising"``, ``"migrating"``)."""
+    return (
+        f"no GPU here: {doing} for {FALLBACK_TARGET} (choose with --target); precisions are "
+        "emulated and costs predicted by the cost model"
+    )
 
 
 def resolve_target(name: str | None) -> tuple[Any, bool]:
@@ -21,6 +36,76 @@ def resolve_target(name: str | None) -> tuple[Any, bool]:
     if local.name != "cpu":
         return local, False
     return get_device(FALLBACK_TARGET), True
+
+
+def model_options(*, required: bool, purpose: str) -> Callable[[F], F]:
+    """``--model``, ``--dataset``, ``--data-dir`` and ``--target``: what to build.
+
+    Args:
+        required: whether ``--model`` must be given (``search`` can read it from ``--config``).
+        purpose: what the target is for, as ``--help`` says it (``"optimise"``, ``"migrate"``).
+    """
+    options = [
+        click.option(
+            "--model",
+            "model_name",
+            required=required,
+            default=None,
+            help="Model name (see `autoprec models`).",
+        ),
+        click.option(
+            "--dataset",
+            default=None,
+            help=f"Data for fine-tuning (default: {DEFAULT_DATASET}; tokens for token models).",
+        ),
+        click.option(
+            "--data-dir", type=click.Path(), default=None, help="Folder for cifar/imagefolder."
+        ),
+        click.option(
+            "--target",
+            default=None,
+            help=f"Accelerator to {purpose} for (default: the local GPU; without one, "
+            f"{FALLBACK_TARGET}).",
+        ),
+    ]
+    return lambda command: _apply(options, command)
+
+
+def evaluator_options(command: F) -> F:
+    """The options :func:`build_evaluator` reads beside the model, data and target: ``--seed``,
+    ``--num-classes``, ``--image-size``, ``--train-batch-size``, ``--train-image-size``."""
+    options = [
+        click.option("--seed", type=int, default=0, show_default=True),
+        click.option("--num-classes", type=int, default=10, show_default=True),
+        click.option(
+            "--image-size",
+            type=int,
+            default=None,
+            help=f"Fine-tuning image size (default {SMALL_IMAGE} for torchvision models).",
+        ),
+        click.option(
+            "--train-batch-size",
+            type=int,
+            default=256,
+            show_default=True,
+            help="Production batch size: the step time and memory are predicted for it.",
+        ),
+        click.option(
+            "--train-image-size",
+            type=int,
+            default=None,
+            help="Production image size for the cost (default: the model's own, 224 for "
+            "torchvision).",
+        ),
+    ]
+    return _apply(options, command)
+
+
+def _apply(options: list[Callable[[F], F]], command: F) -> F:
+    """``options`` on ``command``, listed by ``--help`` in the order given."""
+    for option in reversed(options):  # decorators apply bottom-up
+        command = option(command)
+    return command
 
 
 def check_writable(folders: Iterable[Path], error: type[Exception]) -> None:

@@ -13,33 +13,23 @@ from typing import Any
 
 import click
 
-from autoprec.cli._setup import (
-    FALLBACK_TARGET,
-    SMALL_IMAGE,
-    build_evaluator,
-    check_writable,
-    resolve_target,
-)
-from autoprec.defaults import DEFAULT_DATASET
+from autoprec.cli import _setup as setup
+from autoprec.evaluate.reward import DEFAULT_TOLERANCE
 
 
 class MigrateSetupError(ValueError):
     """A migration cannot start as asked (target, precision, output path, ...)."""
 
 
+def _file_option(flag: str, default: str, help: str) -> Any:
+    """A ``--flag FILE`` option for an output file."""
+    return click.option(
+        flag, type=click.Path(dir_okay=False), default=default, show_default=True, help=help
+    )
+
+
 @click.command()
-@click.option("--model", "model_name", required=True, help="Model name (see `autoprec models`).")
-@click.option(
-    "--dataset",
-    default=None,
-    help=f"Data for fine-tuning (default: {DEFAULT_DATASET}; tokens for token models).",
-)
-@click.option("--data-dir", type=click.Path(), default=None, help="Folder for cifar/imagefolder.")
-@click.option(
-    "--target",
-    default=None,
-    help=f"Accelerator to migrate for (default: the local GPU; without one, {FALLBACK_TARGET}).",
-)
+@setup.model_options(required=True, purpose="migrate")
 @click.option(
     "--precision",
     default=None,
@@ -48,45 +38,19 @@ class MigrateSetupError(ValueError):
 @click.option(
     "--accuracy-tolerance",
     type=float,
-    default=0.05,
+    default=DEFAULT_TOLERANCE,
     show_default=True,
     help="Largest relative training-loss increase over fp32 a step may cause and be kept.",
 )
 @click.option("--steps", type=int, default=None, help="Fine-tuning steps of each evaluation.")
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--num-classes", type=int, default=10, show_default=True)
-@click.option(
-    "--image-size",
-    type=int,
-    default=None,
-    help=f"Fine-tuning image size (default {SMALL_IMAGE} for torchvision models).",
+@setup.evaluator_options
+@_file_option(
+    "--out", "migrated_policy.yaml", "Where the migrated policy is written (.yaml, .yml or .json)."
 )
-@click.option(
-    "--train-batch-size",
-    type=int,
-    default=256,
-    show_default=True,
-    help="Production batch size: the step time and memory are predicted for it.",
-)
-@click.option(
-    "--train-image-size",
-    type=int,
-    default=None,
-    help="Production image size for the cost (default: the model's own, 224 for torchvision).",
-)
-@click.option(
-    "--out",
-    type=click.Path(dir_okay=False),
-    default="migrated_policy.yaml",
-    show_default=True,
-    help="Where the migrated policy is written (.yaml, .yml or .json).",
-)
-@click.option(
+@_file_option(
     "--plan",
-    type=click.Path(dir_okay=False),
-    default="migration_plan.yaml",
-    show_default=True,
-    help="Where the plan (every step and its metrics) is written, as YAML.",
+    "migration_plan.yaml",
+    "Where the plan (every step and its metrics) is written, as YAML.",
 )
 def migrate(**o: Any) -> None:
     """Migrate MODEL's training to a low precision on TARGET, as far as the tolerance allows."""
@@ -100,7 +64,7 @@ def migrate(**o: Any) -> None:
         raise MigrateSetupError(f"--steps must be at least 1, got {o['steps']}")
     target = _target(o["target"])
     low = check_precision(target, o["precision"])
-    evaluator = build_evaluator(o, target)
+    evaluator = setup.build_evaluator(o, target)
     click.echo(
         f"migrating {evaluator.spec.name} to {low.value} on {evaluator.device.name} "
         f"(tolerance: loss delta <= {o['accuracy_tolerance']:g})"
@@ -120,18 +84,14 @@ def _check_outputs(*paths: Path) -> None:
             f"--out {paths[0]}: unknown policy file suffix {paths[0].suffix!r}; "
             "use .yaml, .yml or .json"
         )
-    check_writable({p.resolve().parent for p in paths}, MigrateSetupError)
+    setup.check_writable({p.resolve().parent for p in paths}, MigrateSetupError)
 
 
 def _target(name: str | None) -> Any:
     """The target device: ``name``, else the local GPU, else the fallback (with a message)."""
-    device, fell_back = resolve_target(name)
+    device, fell_back = setup.resolve_target(name)
     if fell_back:
-        click.echo(
-            f"no GPU here: migrating for {FALLBACK_TARGET} (choose with --target); precisions "
-            "are emulated and costs predicted by the cost model",
-            err=True,
-        )
+        click.echo(setup.fallback_note("migrating"), err=True)
     return device
 
 

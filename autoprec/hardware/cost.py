@@ -297,8 +297,9 @@ class CostModel:
                     cast_s += self._memory_s(row.weight_bytes * (1 + ratio))
                 if p is Precision.FP8:  # amax of input and weight
                     cast_s += self._memory_s(in_bytes + row.weight_bytes)
-            if ratio < 1:
-                low_weights += row.params * ratio * 4
+            low, saved = layer_memory(row, p, scale)
+            low_weights += low
+            activations += saved
             if row.other_bytes_forward >= 0:  # measured traffic of the non-matmul ops
                 moved = (row.other_bytes_forward + row.other_bytes_backward) * scale * ratio
                 kernels = row.other_ops_forward + row.other_ops_backward
@@ -308,7 +309,6 @@ class CostModel:
                 moved = out_bytes * ratio  # activations travel at the layer's output format
                 other_s += self._memory_s(passes * 2 * moved, passes)
                 other_s += self._memory_s(2 * passes * 2 * moved, 2 * passes)
-            activations += in_bytes * ratio + out_bytes
             params += row.params
             previous = p
         if flow is not None:  # the runtime's own casts (autoprec.hardware.program)
@@ -377,6 +377,16 @@ class CostModel:
                 kernels += 1
             seconds += self._memory_s(nbytes, kernels)
         return seconds
+
+
+def layer_memory(row: LayerRow, precision: Precision, scale: float = 1.0) -> tuple[float, float]:
+    """``(low-precision weight copy, saved activations)``: the bytes of one layer in a step
+    that depend on its precision (:meth:`CostModel.step`'s ``low_precision_weights`` and
+    ``activations``; a copy only below fp32's width). ``scale`` multiplies the table's batch.
+    """
+    ratio = _ratio(precision)
+    low = row.params * ratio * 4 if ratio < 1 else 0.0
+    return low, row.input_bytes * scale * ratio + row.output_bytes * scale
 
 
 def _seconds(cost: LayerCost) -> float:

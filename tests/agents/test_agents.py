@@ -13,6 +13,8 @@ import pytest
 from autoprec.agents import AGENTS, Problem, SearchResult, StopSearch, Trial, search
 from autoprec.policy import PrecisionPolicy
 
+from .conftest import TARGET
+
 # Small settings per agent, so that every search here takes a second or two.
 FAST = {
     "ppo": {"timesteps": 128, "proposals": 4},
@@ -132,21 +134,54 @@ def test_bad_arguments_raise_value_errors(make_problem):
         search(problem, budget=3, agent="greedy", start="bf16")
 
 
-def test_default_action_set_is_the_environments():
-    from autoprec.agents.base import DEFAULT_PRECISIONS
-    from autoprec.envs.precision_env import DEFAULT_PRECISIONS as ENV_PRECISIONS
+def test_default_action_set_and_reward_are_the_shared_ones(make_problem):
+    from autoprec.evaluate.reward import RewardConfig
+    from autoprec.precision import PRECISION_NAMES
 
-    assert DEFAULT_PRECISIONS == ENV_PRECISIONS
+    problem = make_problem(precisions=PRECISION_NAMES, target="h100-sxm")
+    assert problem.precisions == make_problem(target="h100-sxm").precisions == PRECISION_NAMES
+    assert problem.reward == RewardConfig()
+    strict = make_problem(reward=RewardConfig({"accuracy": 20.0}, tolerance=0.01))
+    trial = search(strict, budget=1, agent="baseline").trials[0]
+    assert (
+        trial.reward
+        == strict.reward(trial.metrics)
+        == RewardConfig({"accuracy": 20.0}, 0.01)(trial.metrics)
+    )
 
 
 def test_import_is_light():
     code = (
         "import sys, autoprec.agents; "
-        "print(sorted(m for m in ('torch', 'optuna', 'stable_baselines3', 'gymnasium') "
-        "if m in sys.modules))"
+        "assert autoprec.agents.AGENTS['random'].name == 'random'; "
+        "print(sorted(m for m in ('torch', 'optuna', 'stable_baselines3', 'gymnasium', "
+        "'autoprec.agents.ppo') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_every_agent_takes_resume_and_name():
+    import inspect
+
+    for name, cls in AGENTS.items():
+        parameters = inspect.signature(cls).parameters
+        assert {"resume", "name"} <= set(parameters), name
+        assert cls.name == name
+
+
+def test_trial_rows_are_the_tables_and_csvs_rows(make_problem):
+    result = search(make_problem(), budget=2, agent="baseline")
+    trial = result.trials[0]
+    row = trial.row()
+    from autoprec.cli.search_export import PARETO_FIELDS
+
+    assert list(row)[:2] == ["number", "fidelity"] and list(row)[-1] == "policy"
+    assert set(row) == {"fidelity", "policy", *PARETO_FIELDS}
+    assert row["policy"] == " ".join(trial.policy.values()) and row["reward"] == trial.reward
+    summary = result.summary_rows()[0]
+    assert list(summary) == [*list(row)[:-1], "pareto", "policy"]
+    assert {k: summary[k] for k in row} == row
 
 
 def test_small_space_is_exhausted_without_repeats(make_problem):
@@ -216,10 +251,31 @@ def test_greedy_lowers_least_sensitive_first_and_keeps_the_tolerance(start, make
     best = result.best
     assert best.reward >= first.reward
     if best is not first:
-        assert best.metrics.loss_delta <= problem.accuracy_tolerance
+        assert best.metrics.loss_delta <= problem.reward.tolerance
 
 
 # --- optuna -----------------------------------------------------------------------------------
+def test_tpe_keeps_its_study_under_the_search_name(make_problem, tmp_path):
+    import optuna
+
+    from autoprec.agents.naming import search_name
+
+    problem = make_problem()
+    storage = f"sqlite:///{tmp_path / 'named.db'}"
+    optuna.logging.set_verbosity(optuna.logging.INFO)
+    first = search(problem, budget=2, agent="tpe", storage=storage, name="n")
+    assert optuna.logging.get_verbosity() == optuna.logging.INFO  # quiet only while it works
+    again = search(problem, budget=2, agent="tpe", storage=storage, name="n")
+    resumed = search(problem, budget=3, agent="tpe", storage=storage, name="n", resume=True)
+    names = [r.info["study_name"] for r in (first, again, resumed)]
+    assert names == ["n", "n-2", "n"]  # a new search starts a new study; --resume finds it
+    assert len(resumed.real_trials) == 3 and sum(t.attrs.get("loaded", 0) for t in resumed.trials)
+    default = search(problem, budget=1, seed=4, agent="tpe", storage=storage)
+    ev = problem.evaluator
+    expected = search_name(ev.spec.name, ev.data.name, ev.device.name, "tpe", 4)
+    assert default.info["study_name"] == expected == f"tinycnn-{ev.data.name}-{TARGET}-tpe-seed4"
+
+
 def test_tpe_resumes_a_study_without_repeating_it(make_problem, tmp_path):
     import optuna
 

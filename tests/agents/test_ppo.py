@@ -76,3 +76,29 @@ def test_ppo_searches_models_of_any_depth(n_layers):
     assert len(result.real_trials) == budget
     assert all(math.isfinite(t.reward) for t in result.trials)
     assert result.best is not None
+
+
+def test_ppo_keeps_its_state_under_the_search_name(make_problem, tmp_path):
+    """Named, the agent owns ``cache_dir()/agents/<file-safe name>``: a new search empties it,
+    ``resume=True`` goes on from the checkpoint there, ``checkpoint_dir`` wins over the name."""
+    from autoprec.agents import PPOAgent
+    from autoprec.cache import cache_dir
+
+    folder = cache_dir() / "agents" / "my_study_1"
+    assert PPOAgent(name="my study/1").checkpoint_dir == folder
+    assert PPOAgent(name="x", checkpoint_dir=tmp_path / "own").checkpoint_dir == tmp_path / "own"
+    assert PPOAgent().checkpoint_dir is None
+
+    options = {"timesteps": 128, "proposals": 2, "name": "my study/1"}
+    folder.mkdir(parents=True)
+    (folder / "stale.txt").write_text("from an older search")
+    first = search(make_problem(), budget=2, seed=0, agent="ppo", **options)
+    assert not (folder / "stale.txt").exists() and (folder / "ppo_model.zip").exists()
+    assert "resumed_from" not in first.info
+
+    resumed = search(make_problem(), budget=2, seed=0, agent="ppo", resume=True, **options)
+    assert resumed.info["resumed_from"] == str(folder / "ppo_model.zip")
+    assert [t.policy for t in resumed.real_trials] == [t.policy for t in first.real_trials]
+
+    again = search(make_problem(), budget=2, seed=0, agent="ppo", **options)
+    assert "resumed_from" not in again.info  # not resumed: the folder was emptied first

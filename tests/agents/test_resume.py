@@ -109,11 +109,16 @@ def _states(storage, name="s"):
     return [t.state.name for t in _study(storage, name).trials]
 
 
-def test_tpe_resumed_after_an_interruption_equals_uninterrupted(spec, data, tmp_path):
-    budget = 8
+def uninterrupted_tpe(spec, data, tmp_path, budget):
+    """The TPE search the interrupted ones must equal: own cache, own storage."""
     plain = make(spec, data, tmp_path / "plain")
     storage = f"sqlite:///{tmp_path / 'plain.db'}"
-    expected = search(plain, budget, agent="tpe", storage=storage, study_name="s")
+    return plain, search(plain, budget, agent="tpe", storage=storage, study_name="s")
+
+
+def test_tpe_resumed_after_an_interruption_equals_uninterrupted(spec, data, tmp_path):
+    budget = 8
+    plain, expected = uninterrupted_tpe(spec, data, tmp_path, budget)
 
     cache, storage = tmp_path / "cache", f"sqlite:///{tmp_path / 'b.db'}"
     killed = make(spec, data, cache, fail_at=6)  # after the four baselines
@@ -153,9 +158,7 @@ search(Problem(ev), budget=budget, seed=0, agent="tpe", storage=storage, study_n
 
 def test_tpe_after_sigkill_retries_the_running_trial_and_spends_the_budget(spec, data, tmp_path):
     budget = 8
-    plain = make(spec, data, tmp_path / "plain")
-    plain_storage = f"sqlite:///{tmp_path / 'plain.db'}"
-    expected = search(plain, budget, agent="tpe", storage=plain_storage, study_name="s")
+    _, expected = uninterrupted_tpe(spec, data, tmp_path, budget)
 
     cache, storage = tmp_path / "cache", f"sqlite:///{tmp_path / 'b.db'}"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -190,12 +193,13 @@ def _running_trial(storage, worker, name="s"):
 def test_a_live_workers_running_trial_is_never_failed(tmp_path):
     import optuna
 
-    from autoprec.agents.optuna_agents import _WORKER, TPEAgent, _process_start
+    from autoprec.agents.optuna_agents import TPEAgent
+    from autoprec.agents.optuna_study import WORKER, process_start, retry_callback
 
     storage = f"sqlite:///{tmp_path / 'live.db'}"
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        live = {**_WORKER, "pid": child.pid, "start": _process_start(child.pid)}
+        live = {**WORKER, "pid": child.pid, "start": process_start(child.pid)}
         study = _running_trial(storage, live)
         TPEAgent(storage=storage, study_name="s")._fail_stale(study)
         assert [t.state.name for t in study.trials] == ["RUNNING"]
@@ -210,7 +214,7 @@ def test_a_live_workers_running_trial_is_never_failed(tmp_path):
         child.wait()
     # once the process is gone, its trial is failed and retried
     agent = TPEAgent(storage=storage, study_name="s")
-    agent._retry = __import__("autoprec.agents.optuna_agents", fromlist=["x"])._retry_callback()
+    agent._retry = retry_callback()
     agent._fail_stale(study)
     assert [t.state.name for t in study.trials] == ["FAIL", "WAITING"]
 
@@ -220,13 +224,13 @@ def test_a_stale_trial_of_another_machine_is_failed_after_its_grace_period(spec,
 
     import optuna
 
-    from autoprec.agents.optuna_agents import _retry_callback
+    from autoprec.agents.optuna_study import retry_callback
 
     storage = optuna.storages.RDBStorage(
         f"sqlite:///{tmp_path / 'other.db'}",
         heartbeat_interval=1,
         grace_period=2,
-        heartbeat_stale_trial_callback=_retry_callback(),
+        heartbeat_stale_trial_callback=retry_callback(),
     )
     problem = make(spec, data, tmp_path / "cache")
     first = search(problem, 2, agent="tpe", storage=storage, study_name="s")

@@ -1,4 +1,5 @@
-"""PrecisionEnv: the Gymnasium and SB3 env checkers, registration, masks, remapping, reward."""
+"""PrecisionEnv: the Gymnasium and SB3 env checkers, registration, the factory by name, masks,
+remapping, reward."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import numpy as np
 import pytest
 
 import autoprec.envs
-from autoprec.envs import PrecisionEnv
-from autoprec.envs.precision_env import STATIC_FEATURES
+from autoprec.envs import PrecisionEnv, make_env
+from autoprec.envs.precision_env import DEFAULT_PRECISIONS, STATIC_FEATURES
 from autoprec.evaluate import Metrics
+from autoprec.evaluate.reward import RewardConfig
 
 FAST = {"model": "tinycnn", "steps": 5, "warm_start_steps": 20}
 LAYERS = ("conv1", "conv2", "fc1", "fc2")  # tinycnn's tunable layers, in execution order
@@ -41,13 +43,13 @@ def _masked_episode(env, rng):
 def test_gymnasium_env_checker():
     from gymnasium.utils.env_checker import check_env
 
-    check_env(PrecisionEnv(target="h100-sxm", **FAST))
+    check_env(make_env(target="h100-sxm", **FAST))
 
 
 def test_sb3_env_checker():
     from stable_baselines3.common.env_checker import check_env
 
-    check_env(PrecisionEnv(target="h100-sxm", **FAST), warn=True)
+    check_env(make_env(target="h100-sxm", **FAST), warn=True)
 
 
 def test_make_after_import_and_masked_random_episode():
@@ -66,7 +68,7 @@ def test_make_after_import_and_masked_random_episode():
     assert fp8 == {"conv1": False, "conv2": False, "fc1": True, "fc2": False}
     obs, _ = env.reset(seed=0)
     sens = obs[len(STATIC_FEATURES) : len(STATIC_FEATURES) + 5]
-    table = inner.evaluator.surrogate().table
+    table = inner.sensitivity
     assert sens[0] == 0.0  # fp32 is the reference
     # fp8 moves the first layer's gradient more than bf16, and bf16 more than tf32
     assert sens[4] > sens[2] > sens[1] >= 0
@@ -78,13 +80,13 @@ def test_make_after_import_and_masked_random_episode():
     assert math.isfinite(reward)
     assert set(info["policy"]) == set(LAYERS)
     assert info["metrics"]["fidelity"] == "short" and info["metrics"]["steps"] == 5
-    assert reward == pytest.approx(inner.reward_from_metrics(Metrics.from_dict(info["metrics"])))
+    assert reward == pytest.approx(inner.reward(Metrics.from_dict(info["metrics"])))
     with pytest.raises(gymnasium.error.ResetNeeded):
         inner.step(0)
 
 
 def test_a100_masks_fp8_and_remaps_to_the_next_wider():
-    env = PrecisionEnv(target="a100-40gb-sxm", **FAST)
+    env = make_env(target="a100-40gb-sxm", **FAST)
     fp8, fp16 = env.precisions.index("fp8"), env.precisions.index("fp16")
     obs, _ = env.reset(seed=1)
     mask = env.action_masks()
@@ -102,13 +104,13 @@ def test_a100_masks_fp8_and_remaps_to_the_next_wider():
 
 
 def test_masked_episode_on_a100_never_remaps():
-    env = PrecisionEnv(target="a100-40gb-sxm", **FAST)
+    env = make_env(target="a100-40gb-sxm", **FAST)
     _, reward, info = _masked_episode(env, np.random.default_rng(3))
     assert math.isfinite(reward) and "fp8" not in info["policy"].values()
 
 
 def test_cost_so_far_grows_and_stays_in_bounds():
-    env = PrecisionEnv(target="h100-sxm", **FAST)
+    env = make_env(target="h100-sxm", **FAST)
     obs, _ = env.reset(seed=0)
     assert obs[-2:].tolist() == [0.0, 0.0]
     costs = []
@@ -119,43 +121,33 @@ def test_cost_so_far_grows_and_stays_in_bounds():
 
 
 def test_reward_formula():
-    env = PrecisionEnv(target="h100-sxm", accuracy_tolerance=0.05, **FAST)
-    base = Metrics(
-        accuracy=0.9,
-        loss=0.5,
-        fp32_accuracy=0.9,
-        fp32_loss=0.5,
-        accuracy_delta=0.0,
-        loss_delta=0.01,
-        speedup=2.0,
-        memory_ratio=0.5,
-        speedup_vs_amp=1.0,
-        memory_ratio_vs_amp=1.0,
-        step_time_s=1.0,
-        memory_bytes=1,
-        source="model",
-    )
-    w = env.reward_weights
+    env = make_env(target="h100-sxm", accuracy_tolerance=0.05, **FAST)
+    quality = {"accuracy": 0.9, "loss": 0.5, "fp32_accuracy": 0.9, "fp32_loss": 0.5}
+    deltas = {"accuracy_delta": 0.0, "loss_delta": 0.01, "step_time_s": 1.0, "memory_bytes": 1}
+    cost = {"speedup": 2.0, "memory_ratio": 0.5, "speedup_vs_amp": 1.0, "memory_ratio_vs_amp": 1}
+    base = Metrics(**quality, **deltas, **cost, source="model")
+    assert env.reward == RewardConfig(tolerance=0.05)
+    w = env.reward.weights
     expected = w["speedup"] * math.log(2) + w["memory"] * math.log(2) - w["accuracy"] * 0.01
-    assert env.reward_from_metrics(base) == pytest.approx(expected)
+    assert env.reward(base) == pytest.approx(expected)
     over = dataclasses.replace(base, loss_delta=0.15)
     expected_over = (
         w["speedup"] * math.log(2) + w["memory"] * math.log(2) - w["accuracy"] * 0.15
     ) - (1 + 10 * 0.10)
-    assert env.reward_from_metrics(over) == pytest.approx(expected_over)
-    assert env.reward_from_metrics(dataclasses.replace(base, diverged=True)) == -5.0
-    assert env.reward_from_metrics(dataclasses.replace(base, feasible=False)) == -5.0
+    assert env.reward(over) == pytest.approx(expected_over)
+    assert env.reward(dataclasses.replace(base, diverged=True)) == -5.0
+    assert env.reward(dataclasses.replace(base, feasible=False)) == -5.0
 
 
 def test_budget_mode_lowers_only_when_needed():
-    met = PrecisionEnv(target="h100-sxm", target_speedup=1e-3, **FAST)
+    met = make_env(target="h100-sxm", target_speedup=1e-3, **FAST)
     met.reset(seed=0)
     for _ in LAYERS:
         *_, info = met.step(0)
     assert info["budget_lowered"] == [] and info["budget_met"]
     assert info["policy"] == dict.fromkeys(LAYERS, "fp32")
 
-    unmet = PrecisionEnv(target="h100-sxm", target_speedup=100.0, **FAST)
+    unmet = make_env(target="h100-sxm", target_speedup=100.0, **FAST)
     unmet.reset(seed=0)
     for _ in LAYERS:
         *_, info = unmet.step(0)
@@ -165,12 +157,12 @@ def test_budget_mode_lowers_only_when_needed():
 
 def test_bad_arguments_raise_value_errors():
     with pytest.raises(ValueError, match="unknown precision"):
-        PrecisionEnv(precisions=("fp32", "bf8"), **FAST)
+        make_env(precisions=("fp32", "bf8"), **FAST)
     with pytest.raises(ValueError, match="unknown reward weight"):
-        PrecisionEnv(reward_weights={"speed": 1.0}, **FAST)
+        make_env(reward_weights={"speed": 1.0}, **FAST)
     with pytest.raises(ValueError, match="none of the precisions"):
-        PrecisionEnv(target="a100-40gb-sxm", precisions=("fp8",), **FAST)
-    env = PrecisionEnv(**FAST)
+        make_env(target="a100-40gb-sxm", precisions=("fp8",), **FAST)
+    env = make_env(**FAST)
     env.reset()
     with pytest.raises(ValueError, match="action must be"):
         env.step(7)
@@ -184,7 +176,8 @@ def test_make_vec_single_env_with_masks():
 
     venv = make_vec(1, seed=0, env_seed=3, target="a100-40gb-sxm", **FAST)
     assert isinstance(venv, DummyVecEnv) and is_masking_supported(venv)
-    assert venv.envs[0].unwrapped.evaluator.seed == 3  # not shadowed by make_vec's own seed
+    # the evaluator's seed is not shadowed by make_vec's own
+    assert venv.envs[0].unwrapped.evaluate.__self__.seed == 3
     venv.reset()
     for _ in LAYERS:
         masks = get_action_masks(venv)
@@ -212,3 +205,57 @@ def test_make_vec_subprocess_two_envs():
         assert all(set(info["policy"]) == set(LAYERS) for info in infos)
     finally:
         venv.close()
+
+
+def test_make_by_name_equals_the_constructor_on_the_evaluators_pieces():
+    """``gymnasium.make`` by name and ``PrecisionEnv`` on a hand-built evaluator's table,
+    sensitivities and masks play the same episodes (the same observations and rewards)."""
+    from autoprec.data import load_dataset_for
+    from autoprec.defaults import DEFAULT_DATASET
+    from autoprec.evaluate import Evaluator
+    from autoprec.hardware.runnability import runnable_precisions
+    from autoprec.models import load_model
+
+    spec = load_model("tinycnn", num_classes=10)
+    data = load_dataset_for(spec, DEFAULT_DATASET, seed=0)
+    evaluator = Evaluator(spec, data, "h100-sxm", steps=5, warm_start_steps=20, seed=0)
+    table = evaluator.cost_table()
+    direct = PrecisionEnv(
+        evaluator.evaluate,
+        table,
+        evaluator.surrogate().table,
+        evaluator.device,
+        RewardConfig({"memory": 1.0}, tolerance=0.01),
+        choices=runnable_precisions(table, evaluator.device, DEFAULT_PRECISIONS),
+    )
+    named = gymnasium.make(
+        autoprec.envs.ENV_ID,
+        target="h100-sxm",
+        reward_weights={"memory": 1.0},
+        accuracy_tolerance=0.01,
+        **FAST,
+    ).unwrapped
+    assert named.layers == direct.layers == LAYERS
+    assert (named._masks == direct._masks).all()
+    for actions in ([0, 0, 0, 0], [2, 3, 4, 2], [1, 2, 2, 3]):
+        obs = [env.reset(seed=0)[0] for env in (named, direct)]
+        assert np.array_equal(*obs)
+        for action in actions:
+            steps = [env.step(action) for env in (named, direct)]
+            (obs_a, r_a, *_, info_a), (obs_b, r_b, *_, info_b) = steps
+            assert np.array_equal(obs_a, obs_b) and r_a == r_b
+            assert info_a.get("policy") == info_b.get("policy")
+        assert info_a["metrics"] == info_b["metrics"]
+
+
+def test_choices_that_leave_a_layer_nothing_raise():
+    env = make_env(**FAST)
+    with pytest.raises(ValueError, match="layer 'conv1' may take none of the precisions fp32"):
+        PrecisionEnv(
+            env.evaluate,
+            env.table,
+            env.sensitivity,
+            env.device,
+            precisions=("fp32",),
+            choices={name: ("bf16",) for name in LAYERS},
+        )
