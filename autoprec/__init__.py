@@ -57,6 +57,9 @@ _EXPORTS = {
     "ScaledTensor": "autoprec.kernels",
     "sensitivity": "autoprec.graph",
     "SensitivityTable": "autoprec.graph",
+    "VerificationInfo": "autoprec.policy",
+    "VerifyConfig": "autoprec.verify",  # the function: autoprec.verify.verify
+    "VerifyResult": "autoprec.verify",
 }
 
 __all__ = ["__version__", *_EXPORTS]
@@ -107,6 +110,7 @@ if TYPE_CHECKING:  # pragma: no cover
         PolicyError,
         PolicyReport,
         PrecisionPolicy,
+        VerificationInfo,
     )
     from autoprec.policy_io import (  # noqa: F401
         load_policy,
@@ -121,6 +125,10 @@ if TYPE_CHECKING:  # pragma: no cover
         LossScaler,
         PolicyHandle,
         apply_policy,
+    )
+    from autoprec.verify import (  # noqa: F401
+        VerifyConfig,
+        VerifyResult,
     )
 
 

@@ -43,6 +43,7 @@ from autoprec.policy_fields import (
     suggest,
     supported_precisions,
 )
+from autoprec.policy_verification import ArmSummary, VerificationInfo, check_verification
 from autoprec.precision import Precision
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -52,6 +53,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "LOSS_SCALING_KINDS",
+    "ArmSummary",
     "PATTERN_PREFIX",
     "PATTERN_TIMEOUT_S",
     "SCHEMA_VERSIONS",
@@ -62,6 +64,7 @@ __all__ = [
     "PolicyReport",
     "PrecisionPolicy",
     "TargetInfo",
+    "VerificationInfo",
     "policy_from_data",
     "resolve_mode",
 ]
@@ -155,6 +158,7 @@ class PrecisionPolicy:
         target: the device and mode the policy was made for.
         metrics: measured outcomes, e.g. ``{"speedup": 2.1}``.
         provenance: who made it and how, e.g. ``{"agent": "ppo"}``.
+        verification: what ``autoprec verify`` measured (:class:`VerificationInfo`), or None.
     """
 
     default: Precision = Precision.FP32
@@ -164,6 +168,7 @@ class PrecisionPolicy:
     target: TargetInfo | None = None
     metrics: Mapping[str, float] = field(default_factory=_FrozenMap)
     provenance: Mapping[str, str] = field(default_factory=_FrozenMap)
+    verification: VerificationInfo | None = None
 
     def __post_init__(self) -> None:
         put = object.__setattr__
@@ -185,6 +190,7 @@ class PrecisionPolicy:
             "provenance",
             _FrozenMap(check_mapping(self.provenance, "provenance", check_provenance)),
         )
+        put(self, "verification", check_verification(self.verification))
 
     @classmethod
     def uniform(cls, precision: Precision | str, **kwargs: Any) -> PrecisionPolicy:
@@ -315,6 +321,8 @@ class PrecisionPolicy:
             out["metrics"] = dict(self.metrics)
         if self.provenance:
             out["provenance"] = dict(self.provenance)
+        if self.verification is not None:
+            out["verification"] = self.verification.to_dict()
         return out
 
     @classmethod
@@ -329,9 +337,13 @@ class PrecisionPolicy:
     def digest(self) -> str:
         """``"sha256:<hex>"`` of what changes training: default, layers and loss scaling.
 
-        Metrics, provenance, model and target do not count. Two policies that resolve alike
-        but are written differently get different digests.
+        Metrics, provenance, model, target and verification do not count. Two policies that
+        resolve alike but are written differently get different digests.
         """
+        # The verification section is a measurement *of* this policy, like metrics: writing it
+        # into the file must not change the policy's identity, or `autoprec train` would refuse
+        # to resume its checkpoints (their config holds this digest) and a verified file would
+        # no longer match the trials, the evaluator's cache and the MLflow runs of its search.
         ls = self.loss_scaling
         payload = {
             "default": self.default.value,

@@ -31,6 +31,7 @@ TOP_LEVEL_KEYS = (
     "loss_scaling",
     "metrics",
     "provenance",
+    "verification",
 )
 LOSS_SCALING_KINDS = ("dynamic", "static", "none")
 TARGET_MODES = ("auto", "emulate", "native")

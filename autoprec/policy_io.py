@@ -11,7 +11,11 @@ layers:
 loss_scaling: {kind: dynamic, init_scale: 32768.0, growth_interval: 2000, ...}
 metrics: {accuracy_delta: -0.002, speedup: 2.1}
 provenance: {agent: ppo, created: "..."}
+verification: {verdict: within, loss_delta: 0.001, arms: {...}, ...}  # autoprec verify
 ```
+
+The ``verification`` section is written as a block, one line per arm
+(:mod:`autoprec.policy_verification`).
 
 Only ``autoprec_policy`` and ``default`` are required. Every defect raises :class:`PolicyError`
 naming the file, the line where the parser knows it, and the field, and quoting at most a short
@@ -52,6 +56,10 @@ class _Flow(dict):
     """A mapping written on one line (``{a: 1, b: 2}``)."""
 
 
+class _FlowList(list):
+    """A sequence written on one line (``[0, 1, 2]``)."""
+
+
 class _Quoted(str):
     """A string written in double quotes (used for ``re:`` patterns, to set them apart)."""
 
@@ -62,6 +70,9 @@ class _Dumper(yaml.SafeDumper):
 
 _Dumper.add_representer(
     _Flow, lambda d, data: d.represent_mapping("tag:yaml.org,2002:map", data, flow_style=True)
+)
+_Dumper.add_representer(
+    _FlowList, lambda d, data: d.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=True)
 )
 _Dumper.add_representer(
     _Quoted, lambda d, data: d.represent_scalar("tag:yaml.org,2002:str", data, style='"')
@@ -80,6 +91,9 @@ def format_policy(policy: PrecisionPolicy, fmt: str = "yaml") -> str:
             data[key] = {
                 _Quoted(k) if k.startswith(PATTERN_PREFIX) else k: v for k, v in value.items()
             }
+        elif key == "verification":
+            arms = {name: _Flow(stats) for name, stats in value["arms"].items()}
+            data[key] = {**value, "arms": arms, "seeds": _FlowList(value["seeds"])}
         elif isinstance(value, dict):
             data[key] = _Flow(value)
     return yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=1 << 16)

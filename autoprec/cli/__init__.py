@@ -25,6 +25,7 @@ from autoprec.cli.migrate import migrate
 from autoprec.cli.models import models
 from autoprec.cli.search import search
 from autoprec.cli.train import train
+from autoprec.cli.verify import verify
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -41,6 +42,7 @@ cli.add_command(migrate)
 cli.add_command(models)
 cli.add_command(search)
 cli.add_command(train)
+cli.add_command(verify)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,6 +17,34 @@ FALLBACK_TARGET = "h100-sxm"
 SMALL_IMAGE = 32  # fine-tuning image size for torchvision models on a CPU
 
 
+def model_shape_options(command: F) -> F:
+    """``--data-dir``, ``--num-classes`` and ``--image-size`` of ``train`` and ``verify``."""
+    for option in reversed(
+        [
+            click.option(
+                "--data-dir", type=click.Path(), default=None, help="Folder for cifar/imagefolder."
+            ),
+            click.option("--num-classes", type=int, default=10, show_default=True),
+            click.option(
+                "--image-size", type=int, default=None, help="Input image size (model default)."
+            ),
+        ]
+    ):
+        command = option(command)
+    return command
+
+
+def file_option(flag: str, help: str, default: str | None = None) -> Any:
+    """A ``--flag FILE`` option (a file path, not a folder)."""
+    return click.option(
+        flag,
+        type=click.Path(dir_okay=False),
+        default=default,
+        show_default=default is not None,
+        help=help,
+    )
+
+
 def fallback_note(doing: str) -> str:
     """The line that says a CPU-only run targets :data:`FALLBACK_TARGET` (``doing``:
     ``"optimising"``, ``"migrating"``)."""

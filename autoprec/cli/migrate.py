@@ -21,13 +21,6 @@ class MigrateSetupError(ValueError):
     """A migration cannot start as asked (target, precision, output path, ...)."""
 
 
-def _file_option(flag: str, default: str, help: str) -> Any:
-    """A ``--flag FILE`` option for an output file."""
-    return click.option(
-        flag, type=click.Path(dir_okay=False), default=default, show_default=True, help=help
-    )
-
-
 @click.command()
 @setup.model_options(required=True, purpose="migrate")
 @click.option(
@@ -44,13 +37,13 @@ def _file_option(flag: str, default: str, help: str) -> Any:
 )
 @click.option("--steps", type=int, default=None, help="Fine-tuning steps of each evaluation.")
 @setup.evaluator_options
-@_file_option(
-    "--out", "migrated_policy.yaml", "Where the migrated policy is written (.yaml, .yml or .json)."
+@setup.file_option(
+    "--out", "Where the migrated policy is written (.yaml, .yml or .json).", "migrated_policy.yaml"
 )
-@_file_option(
+@setup.file_option(
     "--plan",
-    "migration_plan.yaml",
     "Where the plan (every step and its metrics) is written, as YAML.",
+    "migration_plan.yaml",
 )
 def migrate(**o: Any) -> None:
     """Migrate MODEL's training to a low precision on TARGET, as far as the tolerance allows."""

@@ -3,6 +3,8 @@ compare), written once so that their names, defaults and help stay the same ever
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
 from autoprec.tracking.client import DEFAULT_TRACKING_URI
@@ -17,3 +19,13 @@ tracking_uri_option = click.option(
 experiment_option = click.option(
     "--experiment", default=None, help="MLflow experiment name (default: autoprec/<model>)."
 )
+
+
+def no_mlflow_option(what: str) -> Any:
+    """``--no-mlflow`` of ``train`` and ``verify`` (also ``AUTOPREC_NO_MLFLOW=1``)."""
+    return click.option(
+        "--no-mlflow",
+        is_flag=True,
+        envvar="AUTOPREC_NO_MLFLOW",
+        help=f"Do not log {what} to MLflow (also AUTOPREC_NO_MLFLOW=1).",
+    )

@@ -35,6 +35,7 @@ from autoprec.cli.interrupt import terminate_as_interrupt
 from autoprec.cli.search_config import SearchSetupError, merge_config
 from autoprec.cli.search_export import Exporter, SearchExportError
 from autoprec.cli.search_progress import Progress, console
+from autoprec.cli.verify import SEARCH_VERIFY_SEEDS, SEARCH_VERIFY_STEPS
 from autoprec.evaluate.reward import DEFAULT_TOLERANCE, DEFAULT_WEIGHTS
 
 DEFAULT_STORAGE = "sqlite:///autoprec-search.db"
@@ -118,6 +119,14 @@ __all__ = ["AGENT_NAMES", "DEFAULT_STORAGE", "SearchExportError", "SearchSetupEr
     "--resume", is_flag=True, help="Continue the last search of this name (see --study-name)."
 )
 @click.option(
+    "--verify",
+    is_flag=True,
+    help=f"Then `autoprec verify` the exported policy: it, fp32 and the target's AMP trained "
+    f"from scratch for {SEARCH_VERIFY_STEPS} steps with {SEARCH_VERIFY_SEEDS} seeds (from "
+    "--seed), batch 32, lr 0.05, against --accuracy-tolerance; the verdict goes into the "
+    "policy file, the curves beside it.",
+)
+@click.option(
     "--no-mlflow", is_flag=True, help="Do not log the search to MLflow (it is logged by default)."
 )
 @click.option(
@@ -180,6 +189,8 @@ class _SearchRun:
         amp = self._amp_metrics(problem)
         written = self._export(result, amp, interrupted=False)
         self._finish_tracking(result, written, amp, status="FINISHED")
+        if self.o["verify"] and written is not None:
+            self._verify(written)
         self.phases["total"] = time.perf_counter() - start
         self.console.print("phases: " + ", ".join(f"{k} {v:.0f} s" for k, v in self.phases.items()))
         return 0
@@ -360,6 +371,33 @@ class _SearchRun:
         metrics = problem.evaluate(amp_policy(self.device))
         self.phases["AMP comparison"] = time.perf_counter() - begin
         return metrics
+
+    def _verify(self, policy_path: Path) -> None:
+        """``autoprec verify`` of the exported policy with the small defaults of ``--verify``."""
+        from autoprec.cli.verify import run_verification
+        from autoprec.verify import VerifyConfig
+
+        o = self.o
+        shape = self.problem.evaluator.spec.input_shape  # the shape the search trained at
+        config = VerifyConfig(
+            steps=SEARCH_VERIFY_STEPS,
+            seeds=tuple(range(o["seed"], o["seed"] + SEARCH_VERIFY_SEEDS)),
+            tolerance=o["accuracy_tolerance"],
+            dataset=o["dataset"],
+            data_dir=o["data_dir"],
+            num_classes=o["num_classes"],
+            image_size=shape[-1] if len(shape) == 3 else None,
+        )
+        tracking = {"enabled": not o["no_mlflow"], "uri": o["tracking_uri"]}
+        with self._phase("verification"):
+            run_verification(
+                policy_path,
+                o["model_name"],
+                config,
+                target=self.device.name,
+                tracking=tracking | {"experiment": o["experiment"]},
+                echo=lambda text: self.console.print(text, markup=False, soft_wrap=True),
+            )
 
     # -- export --
     def _export(self, result: Any, amp: Any, *, interrupted: bool) -> Path | None:

@@ -23,10 +23,10 @@ from typing import Any
 
 import click
 
-from autoprec.cli.mlflow_options import experiment_option, tracking_uri_option
+from autoprec.cli._setup import model_shape_options
+from autoprec.cli.mlflow_options import experiment_option, no_mlflow_option, tracking_uri_option
 from autoprec.defaults import DEFAULT_DATASET
-
-MODE_NAMES = ("auto", "emulate", "native")
+from autoprec.policy_fields import TARGET_MODES
 
 
 @click.command()
@@ -39,9 +39,7 @@ MODE_NAMES = ("auto", "emulate", "native")
     help="Policy file (YAML or JSON), e.g. what `autoprec search` exported.",
 )
 @click.option("--dataset", default=DEFAULT_DATASET, show_default=True, help="Training data.")
-@click.option("--data-dir", type=click.Path(), default=None, help="Folder for cifar/imagefolder.")
-@click.option("--num-classes", type=int, default=10, show_default=True)
-@click.option("--image-size", type=int, default=None, help="Input image size (model default).")
+@model_shape_options
 @click.option("--steps", type=int, default=None, help="Optimizer steps in total.")
 @click.option("--epochs", type=int, default=None, help="Epochs in total (default 1).")
 @click.option("--batch-size", type=int, default=32, show_default=True, help="Per process.")
@@ -58,14 +56,9 @@ MODE_NAMES = ("auto", "emulate", "native")
 )
 @click.option("--checkpoint-every", type=int, default=None, help="Also every N steps.")
 @click.option("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available).")
-@click.option("--mode", type=click.Choice(MODE_NAMES), default="auto", show_default=True)
+@click.option("--mode", type=click.Choice(TARGET_MODES), default="auto", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option(
-    "--no-mlflow",
-    is_flag=True,
-    envvar="AUTOPREC_NO_MLFLOW",
-    help="Do not log the run to MLflow (also AUTOPREC_NO_MLFLOW=1).",
-)
+@no_mlflow_option("the run")
 @tracking_uri_option
 @experiment_option
 def train(

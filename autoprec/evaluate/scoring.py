@@ -22,6 +22,12 @@ PENALTY_LOSS_DELTA = 10.0  # loss_delta of a diverged run
 PREDICTED_LOSS_DELTA_FLOOR = -0.99  # a prediction never promises more than this
 
 
+def relative_loss_delta(loss: float, reference: float) -> float:
+    """``loss`` relative to ``reference`` minus 1: the ``loss_delta`` of every comparison with
+    fp32 (the evaluator's, ``autoprec verify``'s)."""
+    return (loss - reference) / max(reference, 1e-12)
+
+
 class ReferenceDivergedError(ValueError):
     """The fp32 reference run diverged, so there is nothing to measure policies against."""
 
@@ -88,7 +94,7 @@ def score_run(
         val_loss, accuracy = (1.0 + PENALTY_LOSS_DELTA) * baseline.val_loss, 0.0
     else:
         loss, val_loss, accuracy = run.loss, run.val_loss, run.accuracy
-    loss_delta = PENALTY_LOSS_DELTA if diverged else (loss - ref_loss) / max(ref_loss, 1e-12)
+    loss_delta = PENALTY_LOSS_DELTA if diverged else relative_loss_delta(loss, ref_loss)
     return Metrics(
         accuracy=accuracy,
         loss=loss,

@@ -1,5 +1,6 @@
-"""MLflow tracking: searches (:class:`SearchTracker`), trainings (:class:`TrainTracker`) and the
-one guarded client both use (:mod:`autoprec.tracking.client`).
+"""MLflow tracking: searches (:class:`SearchTracker`), trainings (:class:`TrainTracker`),
+verifications (:class:`VerifyTracker`) and the one guarded client they use
+(:mod:`autoprec.tracking.client`).
 
 MLflow and matplotlib are imported only when tracking starts, so importing this package is
 cheap.
@@ -28,6 +29,7 @@ from autoprec.tracking.client import (
 )
 from autoprec.tracking.search import SearchTracker, lowered_layers, policy_digest
 from autoprec.tracking.training import TrainTracker
+from autoprec.tracking.verification import VerifyTracker
 
 __all__ = [
     "CALL_LIMITS",
@@ -38,6 +40,7 @@ __all__ = [
     "GuardedClient",
     "SearchTracker",
     "TrainTracker",
+    "VerifyTracker",
     "experiment_id",
     "lowered_layers",
     "mlflow_limits",

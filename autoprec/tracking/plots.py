@@ -1,4 +1,5 @@
-"""The search's figures: its Pareto chart and the precision map of a policy, saved as PNG.
+"""The figures: a search's Pareto chart, the precision map of a policy, a verification's learning
+curves; saved as PNG.
 
 matplotlib is imported only when a figure is drawn; the figures are plain
 :class:`matplotlib.figure.Figure` objects (no pyplot state).
@@ -113,6 +114,30 @@ def precision_map(policy: Mapping[str, Any], title: str) -> Any:
     ax.legend(
         handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, title="precision"
     )
+    return fig
+
+
+def curves_figure(result: Any, title: str) -> Any:
+    """A verification's learning curves: per arm the mean training loss over the seeds at each
+    step, in a band from the lowest to the highest seed (a ``VerifyResult``)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.5), dpi=100, layout="constrained")
+    ax = fig.add_subplot()
+    for arm in result.arms:
+        length = min(len(run.curve) for run in arm.runs)
+        columns = [[run.curve[i] for run in arm.runs] for i in range(length)]
+        steps = list(range(1, length + 1))
+        mean = [sum(c) / len(c) for c in columns]
+        (line,) = ax.plot(steps, mean, linewidth=1.2, label=f"{arm.label} ({len(arm.runs)} seeds)")
+        if len(arm.runs) > 1:
+            low, high = [min(c) for c in columns], [max(c) for c in columns]
+            ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("training loss")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", fontsize=8)
     return fig
 
 

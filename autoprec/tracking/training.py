@@ -27,27 +27,18 @@ FLUSH_SECONDS = 15.0  # ... or the time since the last write
 BATCH_LIMIT = 1000  # metric values MLflow takes in one log_batch
 
 
-class TrainTracker:
-    """MLflow logging of one training run; every method is a no-op when disabled.
-
-    The run starts with the first metrics (so settings that training refuses leave no run),
-    metric values are buffered and written in batches, and any MLflow failure turns tracking
-    off with one line (``autoprec: tracking off: <reason>``) instead of ending the training.
+class RunSettings:
+    """What a tracker of parent runs is given: where it logs, under which names, whether at all.
 
     Args:
         experiment: the experiment's name.
-        run_name: the run's name.
+        run_name: the (parent) run's name.
         tracking_uri: MLflow tracking URI; default ``$MLFLOW_TRACKING_URI``, else
             ``sqlite:///mlflow.db``.
-        enabled: False makes every method a no-op (only rank 0 of a DDP training logs).
+        enabled: False makes every method of the tracker a no-op.
         tags: the run's tags.
         params: the run's params; values are turned into strings.
-        artifacts: files logged when the run starts (the policy file).
-        echo: where the ``mlflow: run ...`` lines go (``autoprec train`` passes ``click.echo``).
-
-    Attributes:
-        enabled: whether the run is (still) being logged.
-        run_id: the run's id once started, else None.
+        echo: where the ``mlflow: run ...`` lines go (the CLI passes ``click.echo``).
     """
 
     def __init__(
@@ -59,19 +50,36 @@ class TrainTracker:
         enabled: bool = True,
         tags: Mapping[str, str] | None = None,
         params: Mapping[str, Any] | None = None,
-        artifacts: Sequence[str] = (),
         echo: Callable[[str], Any] = print,
     ) -> None:
         self.client = GuardedClient(tracking_uri)
         self.tracking_uri = self.client.tracking_uri
         self.enabled = enabled
-        self.experiment = experiment
-        self.run_name = run_name
-        self.tags = dict(tags or {})
-        self.params = dict(params or {})
-        self.artifacts = list(artifacts)
+        self.experiment, self.run_name = experiment, run_name
+        self.tags, self.params = dict(tags or {}), dict(params or {})
         self.echo = echo
         self.run_id: str | None = None
+
+
+class TrainTracker(RunSettings):
+    """MLflow logging of one training run; every method is a no-op when disabled.
+
+    The run starts with the first metrics (so settings that training refuses leave no run),
+    metric values are buffered and written in batches, and any MLflow failure turns tracking
+    off with one line (``autoprec: tracking off: <reason>``) instead of ending the training.
+
+    Args:
+        artifacts: files logged when the run starts (the policy file).
+        **settings: :class:`RunSettings`' (only rank 0 of a DDP training is ``enabled``).
+
+    Attributes:
+        enabled: whether the run is (still) being logged.
+        run_id: the run's id once started, else None.
+    """
+
+    def __init__(self, *, artifacts: Sequence[str] = (), **settings: Any) -> None:
+        super().__init__(**settings)
+        self.artifacts = list(artifacts)
         self._pending: list[Any] = []
         self._flushed = time.monotonic()
 

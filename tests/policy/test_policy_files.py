@@ -21,6 +21,28 @@ FULL = PrecisionPolicy(
     target={"device": "h100-sxm", "mode": "native"},
     metrics={"accuracy_delta": -0.002, "speedup": 2.1},
     provenance={"agent": "ppo", "created": "2024-05-01T10:00:00"},
+    verification={
+        "verdict": "within",
+        "loss_delta": 0.001,
+        "accuracy_delta": -0.002,
+        "tolerance": 0.05,
+        "arms": {
+            "policy": {"loss_mean": 0.5, "loss_sd": 0.01, "accuracy_mean": 0.8, "accuracy_sd": 0.0},
+            "fp32": {
+                "loss_mean": 0.4995,
+                "loss_sd": 0.02,
+                "accuracy_mean": 0.802,
+                "accuracy_sd": 0.01,
+            },
+        },
+        "seeds": [0, 1, 2],
+        "steps": 200,
+        "batch_size": 32,
+        "lr": 0.05,
+        "dataset": "teacher",
+        "date": "2026-12-01T22:40:00+00:00",
+        "autoprec_version": "0.1.0",
+    },
 )
 
 FULL_YAML = """\
@@ -36,6 +58,22 @@ loss_scaling: {kind: dynamic, init_scale: 32768.0, growth_interval: 2000, backof
 growth_factor: 2.0}
 metrics: {accuracy_delta: -0.002, speedup: 2.1}
 provenance: {agent: ppo, created: '2024-05-01T10:00:00'}
+verification:
+  verdict: within
+  loss_delta: 0.001
+  accuracy_delta: -0.002
+  tolerance: 0.05
+  arms:
+    policy: {loss_mean: 0.5, loss_sd: 0.01, accuracy_mean: 0.8, accuracy_sd: 0.0}
+    fp32: {loss_mean: 0.4995, loss_sd: 0.02, accuracy_mean: 0.802, accuracy_sd: 0.01}
+  seeds: [0, 1, 2]
+  steps: 200
+  batch_size: 32
+  lr: 0.05
+  momentum: 0.9
+  dataset: teacher
+  date: '2026-12-01T22:40:00+00:00'
+  autoprec_version: 0.1.0
 """
 
 
@@ -51,7 +89,8 @@ def test_yaml_written_is_the_documented_format(tmp_path):
     keys = list(yaml.safe_load(FULL_YAML))
     assert (
         keys
-        == "autoprec_policy model target default layers loss_scaling metrics provenance".split()
+        == "autoprec_policy model target default layers loss_scaling metrics provenance "
+        "verification".split()
     )
 
 

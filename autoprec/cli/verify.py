@@ -1,0 +1,263 @@
+"""``autoprec verify``: train a policy, fp32 and AMP from scratch over several seeds, and judge.
+
+Every arm (the policy, then ``--arms``) is trained with ``autoprec train``'s runtime and loss
+scaling for the same length, from the same initial weights per seed, on the same batches
+(:func:`autoprec.verify.verify`). Printed: a table of each arm's final training loss and
+validation accuracy (mean ± sd over the seeds) with its delta to fp32, and the verdict. Written:
+the policy file with a ``verification`` section (in place unless ``--out``), the learning curves
+as a PNG (``<out stem>.curves.png`` unless ``--plot``), both atomically; logged to MLflow unless
+``--no-mlflow``: a parent run with a nested run per arm and seed.
+
+Example::
+
+    autoprec verify best_policy.yaml --model tinycnn --dataset digits --steps 200 --seeds 3
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import click
+
+from autoprec.cli._setup import file_option, model_shape_options
+from autoprec.cli.mlflow_options import experiment_option, no_mlflow_option, tracking_uri_option
+from autoprec.evaluate.reward import DEFAULT_TOLERANCE
+from autoprec.policy_fields import TARGET_MODES
+from autoprec.verify import DEFAULT_ARMS, VerifyConfig, VerifyError
+
+#: ``autoprec search --verify``: the steps and seeds (from ``--seed``) of its verification.
+SEARCH_VERIFY_STEPS = 50
+SEARCH_VERIFY_SEEDS = 2
+
+
+@click.command()
+@click.argument("policy_file", type=click.Path(dir_okay=False))
+@click.option("--model", "model_name", required=True, help="Model name (see `autoprec models`).")
+@click.option("--dataset", default=None, help="Training data (default: the model task's).")
+@model_shape_options
+@click.option("--steps", type=int, default=None, help="Optimizer steps per run.")
+@click.option("--epochs", type=int, default=None, help="Epochs per run (default 1).")
+@click.option("--seeds", type=int, default=3, show_default=True, help="Seeds per arm.")
+@click.option("--seed", type=int, default=0, show_default=True, help="The first seed.")
+@click.option(
+    "--arms",
+    default=",".join(DEFAULT_ARMS),
+    show_default=True,
+    help="Reference arms beside the policy: fp32 (required), amp (the target's blanket AMP), "
+    "or precision names for uniform policies.",
+)
+@click.option("--batch-size", type=int, default=32, show_default=True)
+@click.option("--lr", type=float, default=0.05, show_default=True)
+@click.option("--momentum", type=float, default=0.9, show_default=True)
+@click.option(
+    "--tolerance",
+    type=float,
+    default=DEFAULT_TOLERANCE,
+    show_default=True,
+    help="Largest relative final-loss increase over fp32 that is within.",
+)
+@file_option(
+    "--checkpoint",
+    "Start every run from these weights (a last.pt of `autoprec train`), not fresh ones.",
+)
+@click.option(
+    "--target",
+    default=None,
+    help="Device whose AMP is the amp arm (default: the policy's target, else the local GPU, "
+    "else h100-sxm).",
+)
+@click.option("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available).")
+@click.option("--mode", type=click.Choice(TARGET_MODES), default="auto", show_default=True)
+@file_option("--plot", "Learning curves PNG (default: <out stem>.curves.png beside --out).")
+@file_option("--out", "Where the verified policy is written (default: POLICY_FILE, in place).")
+@no_mlflow_option("the verification")
+@tracking_uri_option
+@experiment_option
+def verify(policy_file: str, **o: Any) -> int:
+    """Train POLICY_FILE's policy and the reference arms from scratch and write the verdict."""
+    names = {f.name for f in dataclasses.fields(VerifyConfig)} - {"seeds", "arms"}
+    given = {name: o[name] for name in names & set(o)}
+    config = VerifyConfig(
+        **given,
+        seeds=tuple(range(o["seed"], o["seed"] + max(o["seeds"], 0))),
+        arms=tuple(o["arms"].split(",")),
+    )
+    run_verification(
+        policy_file,
+        o["model_name"],
+        config,
+        out=o["out"],
+        plot=o["plot"],
+        target=o["target"],
+        checkpoint=o["checkpoint"],
+        tracking={
+            "enabled": not o["no_mlflow"],
+            "uri": o["tracking_uri"],
+            "experiment": o["experiment"],
+        },
+    )
+    return 0
+
+
+def run_verification(
+    policy_file: str | Path,
+    model_name: str,
+    config: VerifyConfig,
+    *,
+    out: str | Path | None = None,
+    plot: str | Path | None = None,
+    target: str | None = None,
+    checkpoint: str | None = None,
+    tracking: Mapping[str, Any] | None = None,
+    echo: Callable[[str], Any] = click.echo,
+) -> Any:
+    """Check the inputs and outputs, verify, write the plot and the policy, print the table.
+
+    ``tracking``: ``enabled``, ``uri`` and ``experiment`` (None: ``autoprec/<model>``). Used by
+    ``autoprec verify`` and ``autoprec search --verify``; returns the ``VerifyResult``.
+    """
+    from autoprec.cli._setup import check_writable, resolve_target
+    from autoprec.hardware import get_device
+    from autoprec.models import load_model
+    from autoprec.policy_io import load_policy, policy_format, save_policy
+    from autoprec.tracking import VerifyTracker
+    from autoprec.tracking.plots import curves_figure, save_png
+    from autoprec.verify import verify as run
+
+    out = Path(out if out is not None else policy_file)
+    plot = Path(plot) if plot is not None else out.with_name(f"{out.stem}.curves.png")
+    policy_format(out)  # a suffix it cannot write is an error now, not after the training
+    check_writable([out.resolve().parent, plot.resolve().parent], VerifyError)
+    policy = load_policy(policy_file)
+    spec = load_model(model_name, num_classes=config.num_classes, image_size=config.image_size)
+    made_for = policy.model.name if policy.model is not None else None
+    if made_for and made_for != spec.name:
+        raise VerifyError(
+            f"{policy_file} was made for model {made_for!r}, not {spec.name!r}; verify it with "
+            f"--model {made_for}"
+        )
+    report = policy.validate(spec.module)
+    if not report.ok:
+        raise VerifyError(f"{policy_file} does not fit {spec.name}: {'; '.join(report.problems)}")
+    if target is None and policy.target is not None and policy.target.device:
+        target = policy.target.device
+    device = get_device(target) if target is not None else resolve_target(None)[0]
+
+    length = config.length
+    shown = f"{length['steps']} steps" if "steps" in length else f"{length['epochs']} epoch(s)"
+    echo(
+        f"verifying {policy_file} on {spec.name}: policy, {', '.join(config.arms)} x "
+        f"{len(config.seeds)} seeds, {shown}, batch {config.batch_size}, AMP of {device.name}"
+    )
+    tracking = dict(tracking or {"enabled": False})
+    tracker = VerifyTracker(
+        enabled=bool(tracking.get("enabled")),
+        tracking_uri=tracking.get("uri"),
+        experiment=tracking.get("experiment") or f"autoprec/{spec.name}",
+        run_name=f"verify-{spec.name}-{out.stem}",
+        tags={"autoprec.kind": "verify", "autoprec.model": spec.name},
+        params=_params(policy, spec.name, config, device.name, policy_file, checkpoint),
+        length=str(length.get("steps") or f"{length['epochs']} epochs"),
+        echo=echo,
+    )
+    try:
+        result = run(
+            policy,
+            model_name,
+            config,
+            target=device,
+            checkpoint=checkpoint,
+            callback=_Echo(tracker, echo),
+        )
+        title = f"{spec.name} on {result.dataset}: {out.name} ({result.verdict})"
+        save_png(plot, curves_figure(result, title))
+        save_policy(policy.replace(verification=result.section()), out)
+    except BaseException as err:
+        tracker.close("KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED")
+        raise
+    tracker.finish(result, artifacts=[out, plot])
+    for line in table(result):
+        echo(line)
+    echo(f"written: {out} (verification section), {plot}")
+    return result
+
+
+def table(result: Any) -> list[str]:
+    """The printed table: per arm the seeds, final loss and val accuracy (mean ± sd) and the
+    deltas to fp32, then the verdict line."""
+    from autoprec.evaluate.scoring import relative_loss_delta
+
+    fp32 = result.arm("fp32")
+    width = max(12, *(len(a.label) for a in result.arms))
+    header = (
+        f"{'arm':<{width}}  seeds  {'final loss':>17}  {'val accuracy':>17}  "
+        f"{'loss delta':>10}  {'acc delta':>9}"
+    )
+    lines = [header, "-" * len(header)]
+    for arm in result.arms:
+        if arm.arm == "fp32":
+            deltas = f"{'-':>10}  {'-':>9}"
+        else:
+            loss = relative_loss_delta(arm.loss_mean, fp32.loss_mean)
+            deltas = f"{loss:>+10.2%}  {arm.accuracy_mean - fp32.accuracy_mean:>+9.2%}"
+        lines.append(
+            f"{arm.label:<{width}}  {len(arm.runs):>5}  "
+            f"{arm.loss_mean:>8.4f} ± {arm.loss_sd:<6.4f}  "
+            f"{arm.accuracy_mean:>7.2%} ± {arm.accuracy_sd:<7.2%}  {deltas}"
+        )
+    tolerance = result.config.tolerance
+    relation = "<=" if result.within else ">"
+    lines.append(
+        f"verdict: {result.verdict} the tolerance (the policy's loss delta to fp32 "
+        f"{result.loss_delta:+.2%} {relation} {tolerance:.2%}; accuracy delta "
+        f"{result.accuracy_delta:+.2%})"
+    )
+    return lines
+
+
+class _Echo:
+    """The verification's callback: the tracker's calls and one printed line per run."""
+
+    def __init__(self, tracker: Any, echo: Callable[[str], Any]) -> None:
+        self.tracker, self.echo = tracker, echo
+
+    def run_started(self, arm: str, seed: int) -> None:
+        self.tracker.run_started(arm, seed)
+
+    def log(self, arm: str, seed: int, step: int, metrics: Mapping[str, float]) -> None:
+        self.tracker.log(arm, seed, step, metrics)
+
+    def run_finished(self, run: Any) -> None:
+        self.tracker.run_finished(run)
+        self.echo(
+            f"  {run.arm} seed {run.seed}: {run.steps} steps in {run.wall_time_s:.1f} s, final "
+            f"loss {run.final_loss:.4f}, val accuracy {run.val_accuracy:.2%}"
+        )
+
+
+def _params(
+    policy: Any, model: str, config: VerifyConfig, target: str, path: Any, ckpt: Any
+) -> dict[str, Any]:
+    """The parent run's params."""
+    import autoprec
+
+    return {
+        "model": model,
+        "dataset": config.dataset or "",
+        "policy_file": str(Path(path).resolve()),
+        "policy_digest": policy.digest(),
+        "arms": ",".join(config.arms),
+        "seeds": ",".join(map(str, config.seeds)),
+        **config.length,
+        "batch_size": config.batch_size,
+        "lr": config.lr,
+        "momentum": config.momentum,
+        "tolerance": config.tolerance,
+        "target": target,
+        "mode": config.mode,
+        "checkpoint": ckpt or "",
+        "autoprec_version": autoprec.__version__,
+    }

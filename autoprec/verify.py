@@ -1,0 +1,381 @@
+"""Verify a policy over whole training runs: ``verify(policy, "tinycnn", VerifyConfig(...))``.
+
+The policy and the reference arms (``fp32`` and the target's blanket AMP by default) are each
+trained from scratch, or from the weights of a checkpoint, with :func:`autoprec.train.train`
+(the runtime and loss scaling of ``autoprec train``) for the same length, with the same seeds:
+for each seed every arm starts from the same initial weights (``load_model(..., seed=seed)``)
+and sees the same batches in the same order (the data order depends only on the seed). The
+result has, per arm and seed, the final training loss, the validation accuracy and the learning
+curve; per arm their mean and sample standard deviation over the seeds; the policy's loss delta
+to fp32 (relative, as the evaluator's: :func:`~autoprec.evaluate.scoring.relative_loss_delta`),
+its accuracy delta, and the verdict: within the tolerance when the loss delta is at most it.
+
+The final training loss of a run is the mean of its last :data:`FINAL_WINDOW` of steps (at
+least one step): one minibatch's loss is too noisy to compare, and the batches are the same in
+every arm, so the window compares like with like.
+
+Example:
+    >>> from autoprec.policy import PrecisionPolicy
+    >>> config = VerifyConfig(steps=20, seeds=(0, 1), dataset="digits")
+    >>> result = verify(PrecisionPolicy(default="bf16"), "tinycnn", config,
+    ...                 target="h100-sxm")  # doctest: +SKIP
+    >>> result.verdict, round(result.loss_delta, 4)  # doctest: +SKIP
+    ('within', 0.0003)
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import statistics
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from autoprec.evaluate.reward import DEFAULT_TOLERANCE
+from autoprec.policy import ArmSummary, PrecisionPolicy, VerificationInfo
+from autoprec.precision import PRECISION_NAMES
+
+__all__ = [
+    "DEFAULT_ARMS",
+    "FINAL_WINDOW",
+    "POLICY_ARM",
+    "ArmResult",
+    "RunResult",
+    "VerifyCallback",
+    "VerifyConfig",
+    "VerifyError",
+    "VerifyResult",
+    "arm_policy",
+    "verify",
+]
+
+POLICY_ARM = "policy"  # the arm that trains the policy being verified
+DEFAULT_ARMS = ("fp32", "amp")  # the reference arms: fp32, and the target's blanket AMP
+FINAL_WINDOW = 0.1  # the share of the last steps whose mean loss is a run's final loss
+
+
+class VerifyError(ValueError):
+    """Settings a verification cannot run with (no fp32 arm, an unknown arm, no target)."""
+
+
+@dataclass(frozen=True)
+class VerifyConfig:
+    """Every setting of a verification.
+
+    Args:
+        steps: optimizer steps per run; give ``steps`` or ``epochs`` (default: 1 epoch).
+        epochs: epochs per run.
+        seeds: the seeds; each arm is trained once per seed.
+        arms: the reference arms: ``fp32``, ``amp`` (the target's blanket AMP,
+            :func:`autoprec.hardware.defaults.amp_policy`) or a precision name for a uniform
+            policy. ``fp32`` must be one of them (the deltas are to it).
+        batch_size, lr, momentum: as :func:`autoprec.train.train`.
+        tolerance: the largest relative loss delta to fp32 that is within.
+        dataset: the data (None: the default for the model's task).
+        data_dir: folder for cifar/imagefolder data.
+        num_classes, image_size: as :func:`autoprec.models.load_model`.
+        device, mode: as :func:`autoprec.train.train`.
+    """
+
+    steps: int | None = None
+    epochs: int | None = None
+    seeds: tuple[int, ...] = (0, 1, 2)
+    arms: tuple[str, ...] = DEFAULT_ARMS
+    batch_size: int = 32
+    lr: float = 0.05
+    momentum: float = 0.9
+    tolerance: float = DEFAULT_TOLERANCE
+    dataset: str | None = None
+    data_dir: str | None = None
+    num_classes: int = 10
+    image_size: int | None = None
+    device: str | None = None
+    mode: str = "auto"
+
+    def __post_init__(self) -> None:
+        put = object.__setattr__
+        put(self, "seeds", tuple(self.seeds))
+        put(self, "arms", tuple(a.strip() for a in self.arms if a.strip()))
+        if self.steps is not None and self.epochs is not None:
+            raise VerifyError(f"give steps or epochs, not both (got {self.steps}, {self.epochs})")
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
+            raise VerifyError(f"seeds must be distinct and at least one; got {list(self.seeds)}")
+        known = ("fp32", "amp", *PRECISION_NAMES)
+        for arm in self.arms:
+            if arm not in known:
+                raise VerifyError(f"unknown arm {arm!r}; expected one of {', '.join(known)}")
+        if "fp32" not in self.arms or len(set(self.arms)) != len(self.arms):
+            raise VerifyError(
+                f"the arms must include fp32 (the deltas are to it), each once; got "
+                f"{', '.join(self.arms) or 'none'}"
+            )
+        if not (math.isfinite(self.tolerance) and self.tolerance >= 0):
+            raise VerifyError(f"tolerance must be a finite number >= 0, got {self.tolerance!r}")
+
+    @property
+    def length(self) -> dict[str, int]:
+        """``{"steps": n}`` or ``{"epochs": n}``: the training length as given."""
+        return {"steps": self.steps} if self.steps is not None else {"epochs": self.epochs or 1}
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """One arm trained with one seed.
+
+    Attributes:
+        curve: the training loss of every optimizer step.
+        val_curve: ``(step, val_loss, val_accuracy)`` of every validation.
+    """
+
+    arm: str
+    seed: int
+    final_loss: float
+    val_loss: float
+    val_accuracy: float
+    steps: int
+    curve: tuple[float, ...]
+    val_curve: tuple[tuple[int, float, float], ...]
+    skipped_steps: int = 0
+    overflows: int = 0
+    wall_time_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class ArmResult(ArmSummary):
+    """One arm over the seeds: its :class:`~autoprec.policy.ArmSummary` (mean and sample sd, 0
+    for one seed, of the final values), the policy it trained and its runs."""
+
+    policy: PrecisionPolicy
+    runs: tuple[RunResult, ...]
+
+    @classmethod
+    def of(cls, arm: str, policy: PrecisionPolicy, runs: Sequence[RunResult]) -> ArmResult:
+        losses = [r.final_loss for r in runs]
+        accuracies = [r.val_accuracy for r in runs]
+        return cls(arm, *_mean_sd(losses), *_mean_sd(accuracies), policy, tuple(runs))
+
+    @property
+    def arm(self) -> str:
+        """The arm's name (``policy``, ``fp32``, ``amp``, ...)."""
+        return self.name
+
+    def summary(self) -> ArmSummary:
+        """The arm as the policy file keeps it."""
+        return ArmSummary(self.name, **self.to_dict())
+
+    @property
+    def label(self) -> str:
+        """The arm's name, with its precision for ``amp`` (``"amp (bf16)"``)."""
+        return f"amp ({self.policy.default.value})" if self.arm == "amp" else self.arm
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """What :func:`verify` measured; ``arms`` lists the policy's arm first; ``within``: the
+    policy's relative loss delta to fp32 is at most the config's tolerance."""
+
+    model: str
+    config: VerifyConfig
+    arms: tuple[ArmResult, ...]
+    deltas: tuple[float, float]  # (loss delta, accuracy delta) of the policy to fp32
+    within: bool
+    dataset: str
+    date: str
+    wall_time_s: float = 0.0
+    checkpoint: str | None = None
+
+    @property
+    def loss_delta(self) -> float:
+        return self.deltas[0]
+
+    @property
+    def accuracy_delta(self) -> float:
+        return self.deltas[1]
+
+    @property
+    def verdict(self) -> str:
+        return "within" if self.within else "outside"
+
+    def arm(self, name: str) -> ArmResult:
+        """The arm called ``name``."""
+        return next(a for a in self.arms if a.arm == name)
+
+    def section(self) -> VerificationInfo:
+        """The policy file's ``verification`` section."""
+        from autoprec import __version__
+
+        c = self.config
+        kept = ("seeds", "batch_size", "lr", "momentum", "tolerance")
+        return VerificationInfo(
+            **{k: getattr(self, k) for k in ("verdict", "loss_delta", "accuracy_delta", "date")},
+            **{k: getattr(c, k) for k in kept},
+            **c.length,
+            arms=tuple(a.summary() for a in self.arms),
+            dataset=self.dataset,
+            autoprec_version=__version__,
+        )
+
+
+class VerifyCallback(Protocol):
+    """What :func:`verify` tells as it goes (the MLflow tracker, the CLI's progress)."""
+
+    def run_started(self, arm: str, seed: int) -> None: ...
+
+    def log(self, arm: str, seed: int, step: int, metrics: Mapping[str, float]) -> None: ...
+
+    def run_finished(self, run: RunResult) -> None: ...
+
+
+def arm_policy(arm: str, policy: PrecisionPolicy, target: Any) -> PrecisionPolicy:
+    """The policy an arm trains: the policy itself, fp32, the target's AMP or a uniform one."""
+    if arm == POLICY_ARM:
+        return policy
+    if arm == "amp":
+        from autoprec.hardware.defaults import amp_policy
+
+        return amp_policy(target)
+    return PrecisionPolicy.uniform(arm)
+
+
+def verify(
+    policy: PrecisionPolicy,
+    model: str,
+    config: VerifyConfig,
+    *,
+    target: Any = None,
+    checkpoint: str | os.PathLike[str] | None = None,
+    callback: VerifyCallback | None = None,
+) -> VerifyResult:
+    """Train ``policy`` and the reference arms from scratch (or ``checkpoint``) and compare.
+
+    Args:
+        policy: the policy to verify; checked against the model before any training.
+        model: a model name (:func:`autoprec.models.load_model`).
+        config: lengths, seeds, arms and training settings.
+        target: the device whose AMP is the ``amp`` arm (a name or ``DeviceSpec``; default the
+            policy's ``target.device``).
+        checkpoint: a checkpoint of ``autoprec train`` (``last.pt``) or a state dict file whose
+            weights every run starts from, instead of fresh ones.
+        callback: told of every run's start, step and end.
+
+    Raises:
+        VerifyError: no target for the ``amp`` arm, an unreadable checkpoint.
+        PolicyMismatchError: the policy does not fit the model.
+        ModelError, DatasetError, TrainConfigError: as :func:`autoprec.train.train`.
+    """
+    from autoprec.data import load_dataset_for
+    from autoprec.evaluate.scoring import relative_loss_delta
+    from autoprec.models import load_model
+
+    start = time.perf_counter()
+    if target is None and "amp" in config.arms:
+        target = policy.target.device if policy.target is not None else None
+        if target is None:
+            raise VerifyError("the policy names no target device; give the target for AMP")
+    arms = {arm: arm_policy(arm, policy, target) for arm in (POLICY_ARM, *config.arms)}
+    weights = _read_weights(checkpoint) if checkpoint is not None else None
+    runs: dict[str, list[RunResult]] = {arm: [] for arm in arms}
+    dataset = ""
+    for seed in config.seeds:
+        spec = load_model(
+            model, num_classes=config.num_classes, image_size=config.image_size, seed=seed
+        )
+        root = {"root": config.data_dir} if config.data_dir else {}
+        data = load_dataset_for(spec, config.dataset, seed=seed, **root)
+        dataset = data.name
+        initial = weights if weights is not None else spec.module.state_dict()
+        initial = {k: v.detach().clone() for k, v in initial.items()}
+        for arm, arm_pol in arms.items():
+            _load(spec.module, initial, checkpoint)  # every arm starts from the same weights
+            if callback is not None:
+                callback.run_started(arm, seed)
+            run = _run(spec, data, arm, arm_pol, seed, config, callback)
+            runs[arm].append(run)
+            if callback is not None:
+                callback.run_finished(run)
+    results = tuple(ArmResult.of(arm, arms[arm], runs[arm]) for arm in arms)
+    mine, fp32 = results[0], next(a for a in results if a.arm == "fp32")
+    loss_delta = relative_loss_delta(mine.loss_mean, fp32.loss_mean)
+    return VerifyResult(
+        model=model,
+        dataset=dataset,
+        config=config,
+        arms=results,
+        deltas=(loss_delta, mine.accuracy_mean - fp32.accuracy_mean),
+        within=math.isfinite(loss_delta) and loss_delta <= config.tolerance,
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        wall_time_s=time.perf_counter() - start,
+        checkpoint=None if checkpoint is None else str(checkpoint),
+    )
+
+
+def _run(
+    spec: Any,
+    data: Any,
+    arm: str,
+    policy: PrecisionPolicy,
+    seed: int,
+    config: VerifyConfig,
+    callback: VerifyCallback | None,
+) -> RunResult:
+    """One arm trained with one seed by :func:`autoprec.train.train`."""
+    from autoprec.train import train
+
+    val_curve: list[tuple[int, float, float]] = []
+
+    def log(step: int, metrics: dict[str, float]) -> None:
+        if "val_loss" in metrics:
+            val_curve.append((step, metrics["val_loss"], metrics["val_accuracy"]))
+        if callback is not None:
+            callback.log(arm, seed, step, metrics)
+
+    settings = {k: getattr(config, k) for k in ("batch_size", "lr", "momentum", "device", "mode")}
+    done = train(spec, data, policy, **config.length, **settings, seed=seed, log=log)
+    window = max(1, round(len(done.train_loss) * FINAL_WINDOW))
+    return RunResult(
+        arm=arm,
+        seed=seed,
+        final_loss=statistics.fmean(done.train_loss[-window:]),
+        val_loss=done.val_loss,
+        val_accuracy=done.val_accuracy,
+        steps=done.steps,
+        curve=tuple(done.train_loss),
+        val_curve=tuple(val_curve),
+        skipped_steps=done.skipped_steps,
+        overflows=done.overflows,
+        wall_time_s=done.wall_time_s,
+    )
+
+
+def _mean_sd(values: Sequence[float]) -> tuple[float, float]:
+    mean = statistics.fmean(values)
+    return mean, statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def _load(module: Any, weights: Mapping[str, Any], checkpoint: Any) -> None:
+    try:
+        module.load_state_dict(weights)
+    except RuntimeError as err:  # another architecture's weights
+        text = " ".join(str(err).split())[:200]
+        raise VerifyError(f"checkpoint {checkpoint} does not fit the model: {text}") from None
+
+
+def _read_weights(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The model weights of a checkpoint of ``autoprec train`` (its ``model``) or a state dict."""
+    import torch
+
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - any unreadable file gets the same line
+        text = " ".join(str(err).split())[:200]
+        raise VerifyError(f"cannot read checkpoint {path}: {text}") from None
+    weights = data.get("model", data) if isinstance(data, Mapping) else None
+    if not isinstance(weights, Mapping) or not all(hasattr(v, "shape") for v in weights.values()):
+        raise VerifyError(
+            f"checkpoint {path} holds no model weights; expected a file of `autoprec train` "
+            "(last.pt) or a state dict"
+        )
+    return dict(weights)
