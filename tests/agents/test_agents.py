@@ -352,8 +352,12 @@ def test_two_processes_share_one_study_and_its_budget(tmp_path):
     complete = study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))
     assert len(complete) == budget
     assert len({tuple(sorted(t.params.items())) for t in complete}) == budget  # all distinct
-    # Each worker told its own trials; its result also holds those the other had finished.
-    assert sum(r["own"] for r in reports) == budget, reports
+    # Each worker told its own trials; its result also holds those the other had finished. A
+    # worker starved past the heartbeat's grace period (a loaded machine) has its running trial
+    # failed as stale and retried by the other: that one is evaluated twice, and said so.
+    failed = study.get_trials(states=(optuna.trial.TrialState.FAIL,))
+    stale = [t for t in failed if "autoprec_skipped" not in t.user_attrs]
+    assert sum(r["own"] for r in reports) == budget + len(stale), (reports, len(stale))
     assert all(r["own"] <= r["real"] <= budget for r in reports), reports
     assert max(r["real"] for r in reports) == budget, reports  # the last to end saw them all
 
