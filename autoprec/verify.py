@@ -49,6 +49,7 @@ __all__ = [
     "VerifyError",
     "VerifyResult",
     "arm_policy",
+    "run_arm",
     "verify",
 ]
 
@@ -292,7 +293,7 @@ def verify(
             _load(spec.module, initial, checkpoint)  # every arm starts from the same weights
             if callback is not None:
                 callback.run_started(arm, seed)
-            run = _run(spec, data, arm, arm_pol, seed, config, callback)
+            run = run_arm(spec, data, arm, arm_pol, seed, config, callback)
             runs[arm].append(run)
             if callback is not None:
                 callback.run_finished(run)
@@ -312,16 +313,25 @@ def verify(
     )
 
 
-def _run(
+def run_arm(
     spec: Any,
     data: Any,
     arm: str,
     policy: PrecisionPolicy,
     seed: int,
     config: VerifyConfig,
-    callback: VerifyCallback | None,
+    callback: VerifyCallback | None = None,
 ) -> RunResult:
-    """One arm trained with one seed by :func:`autoprec.train.train`."""
+    """One arm trained with one seed by :func:`autoprec.train.train`, as :func:`verify` does.
+
+    ``spec.module`` is trained in place from the weights it holds (:func:`verify` loads the
+    seed's initial weights first); the final loss is the mean of the last :data:`FINAL_WINDOW`
+    of steps. experiments/full_training.py trains its ground truth through this.
+
+    Raises:
+        TrainDivergedError, PolicyMismatchError, TrainConfigError: as
+            :func:`autoprec.train.train`.
+    """
     from autoprec.train import train
 
     val_curve: list[tuple[int, float, float]] = []

@@ -320,3 +320,27 @@ def test_ground_truth_quick(tmp_path):
 
     with Image.open(plot) as image:
         assert image.format == "PNG" and image.size[0] > 100 and image.size[1] > 100
+
+
+def test_full_training_quick(tmp_path):
+    plot = tmp_path / "fidelities.png"
+    section = _section(
+        _run("full_training.py", tmp_path, "--quick", "--plot", str(plot)),
+        "full_training_tinycnn",
+    )
+    _provenance_ok(section)
+    assert "6 policies of tinycnn" in section and "trained with fp32 from scratch for 10" in section
+    (table,) = _tables(section)
+    rows = {r["fidelity"]: r for r in table}
+    assert set(rows) == {
+        "surrogate", "surrogate+2", "short", "gradnoise", "full training, seed 0 vs seed 1"
+    }  # fmt: skip
+    assert rows["short"]["policies"] == "6" and rows["surrogate+2"]["policies"] == "4"
+    for r in table:
+        for column in ("rho, loss delta", "rho, accuracy delta"):
+            assert r[column] == "nan" or -1 <= _num(r[column]) <= 1
+    assert _num(rows["gradnoise"]["per policy (s)"]) > 0
+    from PIL import Image
+
+    with Image.open(plot) as image:
+        assert image.format == "PNG" and image.size[0] > 100

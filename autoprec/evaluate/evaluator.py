@@ -170,6 +170,11 @@ class Evaluator:
         """The file holding the fp32 warm-start weights."""
         return self._warm.path
 
+    def warm_start_state(self) -> dict[str, torch.Tensor]:
+        """The fp32 warm-start weights every evaluation fine-tunes from (trained or loaded on
+        first use)."""
+        return self._warm.state()
+
     @property
     def warm_start_trained(self) -> bool:
         """Whether this instance trained the warm start (False: loaded, or not needed yet)."""

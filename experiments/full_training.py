@@ -1,0 +1,463 @@
+"""How well does each fidelity predict a whole training run? A ground truth of full trainings.
+
+1. Policies. The space of ``--precisions`` per tunable layer (in ``--target-mode emulate`` by
+   default: fp8 convolutions are in it as a study of numerics, not of what runs), as
+   :class:`autoprec.agents.Problem` lists it. ``--policies N`` draws a seeded random subset of
+   N (the uniform policies always in; 0: the whole space), ``--runnable-mixes N`` adds N
+   random policies that run natively on the target, ``--amp`` the target's blanket AMP, and
+   ``--policy-files`` the layer maps of exported policy files (a search's ``best_policy.yaml``).
+   Every policy trains as the agents evaluate it (:meth:`Problem.to_policy`: default fp32, the
+   layers as given, dynamic loss scaling when a layer is fp16).
+2. Ground truth. For each of ``--seeds`` seeds, fp32 and every policy are trained from the
+   same fresh weights on the same batches for ``--steps`` steps by
+   :func:`autoprec.verify.run_arm`, exactly as ``autoprec verify`` trains its arms (the
+   runtime and loss scaling of ``autoprec train``). A policy's full-training loss delta is
+   :func:`~autoprec.evaluate.scoring.relative_loss_delta` of its final training loss (the mean
+   of the last 10% of steps) averaged over the seeds against fp32's, as ``autoprec verify``
+   reports it; its accuracy delta is the mean over seeds of final validation accuracy minus
+   fp32's. Runs are kept one file each under ``--cache-dir``/full_training, so an interrupted
+   run resumes.
+3. Fidelities. Each policy's accuracy signal (``loss_delta``) from the evaluator at its
+   defaults (seed 0), per fidelity of ``--fidelities``:
+   ``surrogate`` (sensitivities only, before any real evaluation), ``surrogate+K`` (refit on
+   K ``short`` evaluations of random policies of the set, as a search's surrogate after K real
+   evaluations; its correlation is over the other policies), ``short``, ``full``, and the
+   candidates ``short-S`` (one fine-tune of S steps) and ``seedsN`` (``short`` averaged over N
+   warm-start seeds).
+4. Report: the Spearman correlation of each fidelity's signal with the full-training loss delta
+   and with the accuracy delta (sign turned, so that 1 means the fidelity orders policies
+   as full training does), its cost in seconds per policy, and the ground truth's own
+   repeatability (seed 0 against seed 1). A scatter plot per fidelity goes to ``--plot``.
+
+    python experiments/full_training.py --write-docs                     # tinycnn on teacher
+    python experiments/full_training.py --dataset digits --steps 400 --write-docs
+    python experiments/full_training.py --quick                           # for the test
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchlib import DOCS, dataset_suffix, docs_output, invocation, md_table, parse_args, publish
+from benchlib import provenance as provenance_lines
+from scipy.stats import spearmanr
+
+from autoprec.agents import Problem
+from autoprec.cache import cache_dir as default_cache_dir
+from autoprec.cache import read_entry, write_entry
+from autoprec.data import load_dataset_for
+from autoprec.defaults import DEFAULT_DATASET
+from autoprec.evaluate import Evaluator
+from autoprec.evaluate.config import digest
+from autoprec.evaluate.scoring import relative_loss_delta
+from autoprec.models import load_model
+from autoprec.policy_io import load_policy
+from autoprec.verify import VerifyConfig, run_arm
+
+BASE_FIDELITIES = ["surrogate", "surrogate+12", "short", "full"]
+
+
+@dataclass
+class Args:
+    model: str = "tinycnn"
+    dataset: str = DEFAULT_DATASET
+    target: str = "h100-sxm"
+    image_size: int | None = field(
+        default=None, metadata={"help": "for torchvision models (default 32)"}
+    )
+    precisions: list[str] = field(default_factory=lambda: ["fp32", "tf32", "bf16", "fp16", "fp8"])
+    target_mode: str = field(
+        default="emulate",
+        metadata={"help": "emulate: every format on every layer (a numerics study); native"},
+    )
+    policies: int = field(
+        default=150, metadata={"help": "random subset of the space (uniform ones in); 0: all"}
+    )
+    runnable_mixes: int = field(
+        default=0, metadata={"help": "random policies that run natively on the target"}
+    )
+    amp: bool = field(default=False, metadata={"help": "also the target's blanket AMP"})
+    policy_files: list[Path] = field(default_factory=list)
+    steps: int = field(default=600, metadata={"help": "full-training steps (fp32's plateau)"})
+    seeds: int = 2
+    batch_size: int = 32
+    lr: float = 0.05
+    fidelities: list[str] = field(default_factory=lambda: list(BASE_FIDELITIES))
+    sample_seed: int = 0
+    cache_dir: Path | None = field(default=None, metadata={"help": "default: autoprec's cache"})
+    plot: Path | None = field(
+        default=None,
+        metadata={"help": "scatter PNG (default with --write-docs: docs/full-training-...png)"},
+    )
+    csv: Path | None = field(default=None, metadata={"help": "every policy's signals (CSV)"})
+    quick: bool = field(
+        default=False, metadata={"help": "fp32/bf16, 6 policies, 10 steps, for the test"}
+    )
+    write_docs: bool = False
+    docs: Path = field(default=DOCS, metadata={"help": "the markdown file to write"})
+
+    def __post_init__(self) -> None:
+        if self.quick:
+            self.precisions, self.policies, self.steps = ["fp32", "bf16"], 6, 10
+            self.fidelities = ["surrogate", "surrogate+2", "short", "gradnoise"]
+
+    @property
+    def section(self) -> str:
+        return f"full_training_{self.model}" + dataset_suffix(self.dataset)
+
+
+# ------------------------------------------------------------------------------- the policies
+def make_problem(args: Args, cache: Path, seed: int = 0, steps: int | None = None) -> Problem:
+    """The evaluator (at its defaults, but for the seed and steps) as the agents see it."""
+    size = args.image_size or (None if args.model in ("tinycnn", "mlp") else 32)
+    spec = load_model(args.model, num_classes=10, image_size=size)
+    data = load_dataset_for(spec, args.dataset, seed=0)
+    settings = {"seed": seed, "target_mode": args.target_mode}
+    if steps is not None:
+        settings["steps"] = steps
+    ev = Evaluator(spec, data, target=args.target, cache_dir=cache, **settings)
+    return Problem(ev, precisions=args.precisions)
+
+
+def choose_policies(args: Args, problem: Problem) -> dict[str, dict[str, str]]:
+    """``{name: {layer: precision}}``: uniform ones, a random subset, the extras."""
+    layers = problem.layers()
+    space = list(itertools.product(*(problem.choices(n) for n in layers)))
+    rng = random.Random(args.sample_seed)
+    uniform = [c for c in space if len(set(c)) == 1]
+    rest = [c for c in space if len(set(c)) > 1]
+    take = len(rest) if args.policies <= 0 else max(0, args.policies - len(uniform))
+    chosen = uniform + rng.sample(rest, min(take, len(rest)))
+    policies = {" ".join(c): dict(zip(layers, c, strict=True)) for c in chosen}
+    if args.runnable_mixes:
+        native = make_problem(
+            dataclasses.replace(args, target_mode="native"), problem.evaluator.cache_dir
+        )
+        options = [native.choices(n) for n in layers]
+        for _ in range(args.runnable_mixes):
+            combo = tuple(rng.choice(o) for o in options)
+            policies.setdefault(" ".join(combo), dict(zip(layers, combo, strict=True)))
+    if args.amp:
+        from autoprec.hardware.defaults import amp_policy
+
+        amp = amp_policy(args.target)
+        policies[f"amp ({amp.default.value})"] = resolved(amp, problem)
+    for path in args.policy_files:
+        policies[f"file {path.name}"] = resolved(load_policy(path), problem)
+    return policies
+
+
+def resolved(policy: Any, problem: Problem) -> dict[str, str]:
+    """A policy's precision per tunable layer (its patterns and default applied)."""
+    precisions = policy.resolve(problem.evaluator.spec.module)
+    return {name: precisions[name].value for name in problem.layers()}
+
+
+# ---------------------------------------------------------------------------- the ground truth
+def full_run(args: Args, problem: Problem, assignment: dict[str, str], seed: int, cache: Path):
+    """One full training of ``assignment`` (``{}``: fp32) with ``seed``, cached as a file."""
+    policy = problem.to_policy(assignment)
+    config = VerifyConfig(
+        steps=args.steps, seeds=(seed,), batch_size=args.batch_size, lr=args.lr,
+        dataset=args.dataset, image_size=args.image_size, mode="emulate",
+    )  # fmt: skip
+    key = digest([args.model, args.dataset, config.length, seed, args.batch_size, args.lr,
+                  policy.to_dict()])  # fmt: skip
+    path = cache / "full_training" / f"{key}.json"
+    kept = read_entry(path, lambda p: json.loads(p.read_text()), "full-training run")
+    if kept is not None:
+        return kept
+    spec, data = seeded(args, seed)
+    start = time.perf_counter()
+    try:
+        run = run_arm(spec, data, "policy", policy, seed, config)
+        out = {"loss": run.final_loss, "accuracy": run.val_accuracy, "val_loss": run.val_loss}
+    except Exception as err:  # noqa: BLE001 - a diverged run is a result (penalised below)
+        out = {"loss": math.inf, "accuracy": 0.0, "val_loss": math.inf, "error": str(err)[:200]}
+    out["wall_s"] = time.perf_counter() - start
+    write_entry(path, lambda fh: json.dump(out, fh))
+    return out
+
+
+_SEEDED: dict[int, Any] = {}
+
+
+def seeded(args: Args, seed: int) -> tuple[Any, Any]:
+    """The model with ``seed``'s fresh weights (restored before each run) and its data."""
+    import torch
+
+    if seed not in _SEEDED:
+        size = args.image_size or (None if args.model in ("tinycnn", "mlp") else 32)
+        spec = load_model(args.model, num_classes=10, image_size=size, seed=seed)
+        data = load_dataset_for(spec, args.dataset, seed=seed)
+        initial = {k: v.detach().clone() for k, v in spec.module.state_dict().items()}
+        _SEEDED[seed] = (spec, data, initial)
+    spec, data, initial = _SEEDED[seed]
+    with torch.no_grad():
+        spec.module.load_state_dict(initial)
+    return spec, data
+
+
+def ground_truth(args: Args, problem: Problem, policies: dict, cache: Path) -> dict[str, dict]:
+    """``{name: {"loss_delta", "accuracy_delta", "per_seed": [(loss d, acc d), ...]}}``."""
+    seeds = range(args.seeds)
+    reference = [full_run(args, problem, {}, s, cache) for s in seeds]
+    begin = time.perf_counter()
+    truth = {}
+    for i, (name, assignment) in enumerate(policies.items()):
+        runs = [full_run(args, problem, assignment, s, cache) for s in seeds]
+        mean = statistics.fmean
+        truth[name] = {
+            "loss_delta": relative_loss_delta(
+                mean(r["loss"] for r in runs), mean(r["loss"] for r in reference)
+            ),
+            "accuracy_delta": mean(
+                r["accuracy"] - f["accuracy"] for r, f in zip(runs, reference, strict=True)
+            ),
+            "per_seed": [
+                (relative_loss_delta(r["loss"], f["loss"]), r["accuracy"] - f["accuracy"])
+                for r, f in zip(runs, reference, strict=True)
+            ],
+            "wall_s": sum(r["wall_s"] for r in runs) / len(runs),
+        }
+        if (i + 1) % 10 == 0 or i + 1 == len(policies):
+            elapsed = time.perf_counter() - begin
+            print(f"full training: {i + 1}/{len(policies)} policies ({elapsed:.0f} s)", flush=True)
+    truth["fp32"] = {"reference": reference}
+    return truth
+
+
+# ---------------------------------------------------------------------------------- fidelities
+def fidelity_signals(
+    args: Args, policies: dict, cache: Path, name: str
+) -> tuple[dict[str, float], tuple[float, float], set[str]]:
+    """``({policy: loss_delta}, (seconds once, seconds per policy), names left out of the
+    correlation)`` of the fidelity ``name``; the times of a run that found its evaluations in
+    the cache are those of the run that made them."""
+    seeds = int(name[len("seeds") :]) if name.startswith("seeds") else 1
+    steps = int(name.split("-", 1)[1]) if name.startswith("short-") else None
+    problems = [make_problem(args, cache, seed=s, steps=steps) for s in range(seeds)]
+    start = time.perf_counter()
+    for p in problems:
+        p.evaluator.reference("full" if name == "full" else "short")
+    once = time.perf_counter() - start if seeds > 1 else 0.0  # the extra warm starts
+    left_out: set[str] = set()
+    if name.startswith("surrogate"):
+        problem = problems[0]
+        start = time.perf_counter()
+        problem.evaluator.surrogate()  # the sensitivity table, once per search
+        if "+" in name:
+            k = int(name.split("+", 1)[1])
+            left_out = set(random.Random(args.sample_seed + 1).sample(sorted(policies), k))
+            for n in sorted(left_out):
+                problem.evaluate(policies[n], "short")  # the surrogate refits on each
+        once += time.perf_counter() - start
+        start = time.perf_counter()
+        signals = {n: problem.evaluate(a, "surrogate").loss_delta for n, a in policies.items()}
+        return signals, (once, (time.perf_counter() - start) / len(policies)), left_out
+    if name == "gradnoise":
+        signals, each = gradnoise_signals(problems[0], policies)
+        return signals, (0.0, each), set()
+    fidelity = "full" if name == "full" else "short"
+    per_problem, fresh, spent = [], 0, 0.0
+    for p in problems:
+        signals = {}
+        for n, a in policies.items():
+            runs, start = p.evaluator.runs, time.perf_counter()
+            signals[n] = p.evaluate(a, fidelity).loss_delta
+            if p.evaluator.runs > runs:  # a fresh evaluation, not a cache hit
+                fresh, spent = fresh + 1, spent + time.perf_counter() - start
+        per_problem.append(signals)
+    signals = {n: statistics.fmean(s[n] for s in per_problem) for n in policies}
+    cost_file = cache / "full_training" / f"cost-{digest([args.model, args.dataset, name])}.json"
+    if fresh:
+        cost = (once, spent / fresh * seeds)
+        write_entry(cost_file, lambda fh: json.dump(cost, fh))
+    else:
+        kept = read_entry(cost_file, lambda p: json.loads(p.read_text()), "fidelity cost")
+        cost = tuple(kept) if kept else (math.nan, math.nan)
+    return signals, cost, left_out
+
+
+def gradnoise_signals(problem: Problem, policies: dict) -> tuple[dict[str, float], float]:
+    """:func:`autoprec.evaluate.gradnoise.gradient_noise` of every policy at the warm start,
+    and the seconds per policy."""
+    from autoprec.evaluate.gradnoise import gradient_noise
+
+    ev = problem.evaluator
+    state, reference, signals = ev.warm_start_state(), None, {}
+    start = time.perf_counter()
+    for n, a in policies.items():
+        measured, reference = gradient_noise(
+            ev.spec, ev.data, problem.to_policy(a), state, seed=ev.seed, reference=reference
+        )
+        signals[n] = measured.ratio
+    return signals, (time.perf_counter() - start) / len(policies)
+
+
+def rank(a: list[float], b: list[float]) -> float:
+    """Spearman's rho (ties: mean ranks); nan when either side is constant."""
+    if len(a) < 3 or len(set(a)) < 2 or len(set(b)) < 2:
+        return math.nan
+    return float(spearmanr(a, b).statistic)
+
+
+# -------------------------------------------------------------------------------------- report
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(Args, __doc__.splitlines()[0], argv)
+    if args.write_docs and args.plot is None:
+        args.plot = (
+            DOCS.parent / f"full-training-{args.model}{dataset_suffix(args.dataset, '-')}.png"
+        )
+    if args.plot is not None:
+        docs_output(args.plot)
+    cache = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
+    start = time.perf_counter()
+    problem = make_problem(args, cache)
+    policies = choose_policies(args, problem)
+    print(f"{len(policies)} policies of {args.model} on {args.dataset}", flush=True)
+    truth = ground_truth(args, problem, policies, cache)
+    truth_wall = statistics.fmean(truth[n]["wall_s"] for n in policies)
+    signals, costs, left_out = {}, {}, {}
+    for fid in args.fidelities:
+        t = time.perf_counter()
+        signals[fid], costs[fid], left_out[fid] = fidelity_signals(args, policies, cache, fid)
+        print(f"fidelity {fid}: {time.perf_counter() - t:.0f} s", flush=True)
+    rows, table = [], {}
+    for fid in args.fidelities:
+        names = [n for n in policies if n not in left_out[fid]]
+        x = [signals[fid][n] for n in names]
+        rho_loss = rank(x, [truth[n]["loss_delta"] for n in names])
+        rho_acc = rank(x, [-truth[n]["accuracy_delta"] for n in names])
+        once, each = costs[fid]
+        table[fid] = {"loss": rho_loss, "accuracy": rho_acc, "once_s": once, "each_s": each}
+        rows.append(
+            [fid, len(names), f"{rho_loss:.2f}", f"{rho_acc:.2f}", _seconds(once), _seconds(each)]
+        )
+    names = list(policies)
+    repeat = {}
+    if args.seeds >= 2:
+        for k, what in ((0, "loss"), (1, "accuracy")):
+            a = [truth[n]["per_seed"][0][k] for n in names]
+            b = [truth[n]["per_seed"][1][k] for n in names]
+            repeat[what] = rank(a, b)
+        rho_loss, rho_acc = f"{repeat['loss']:.2f}", f"{repeat['accuracy']:.2f}"
+        each = _seconds(truth_wall * args.seeds)
+        rows.append(["full training, seed 0 vs seed 1", len(names), rho_loss, rho_acc, "-", each])
+    if args.csv is not None:
+        write_rows(args, policies, truth, signals)
+    if args.plot is not None:
+        plot(args, policies, truth, signals, table)
+    body = report(args, policies, truth, rows, truth_wall, time.perf_counter() - start)
+    publish(args.section, body, args, path=args.docs)
+    return {"policies": policies, "truth": truth, "signals": signals, "table": table,
+            "repeat": repeat}  # fmt: skip
+
+
+def _seconds(value: float) -> str:
+    return "-" if not math.isfinite(value) else f"{value:.3f}" if value < 1 else f"{value:.1f}"
+
+
+def write_rows(args: Args, policies: dict, truth: dict, signals: dict) -> None:
+    from autoprec.cache import write_csv
+
+    rows = [
+        {"policy": n, "loss_delta": truth[n]["loss_delta"],
+         "accuracy_delta": truth[n]["accuracy_delta"],
+         **{f"signal_{f}": s[n] for f, s in signals.items()}}
+        for n in policies
+    ]  # fmt: skip
+    write_csv(args.csv, rows)
+
+
+def plot(args: Args, policies: dict, truth: dict, signals: dict, table: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fids = list(signals)
+    fig, axes = plt.subplots(1, len(fids), figsize=(3.2 * len(fids), 3.2), squeeze=False)
+    y = [truth[n]["loss_delta"] for n in policies]
+    for ax, fid in zip(axes[0], fids, strict=True):
+        ax.scatter([signals[fid][n] for n in policies], y, s=8, alpha=0.6)
+        ax.set_title(f"{fid} (rho {table[fid]['loss']:.2f})", fontsize=9)
+        ax.set_xlabel("fidelity's loss delta", fontsize=8)
+        ax.set_yscale("symlog", linthresh=1e-3)
+        ax.set_xscale("symlog", linthresh=1e-4)
+    axes[0][0].set_ylabel("full-training loss delta", fontsize=8)
+    fig.suptitle(f"{args.model} on {args.dataset}: fidelities against {args.steps}-step training")
+    fig.tight_layout()
+    fig.savefig(args.plot, dpi=110)
+    plt.close(fig)
+
+
+def report(args: Args, policies: dict, truth: dict, rows: list, truth_wall: float, wall: float):
+    ref = truth["fp32"]["reference"]
+    fp32 = ", ".join(f"loss {r['loss']:.4f}, accuracy {r['accuracy']:.3f}" for r in ref)
+    worst = max(policies, key=lambda n: truth[n]["loss_delta"])
+    deltas = sorted(truth[n]["loss_delta"] for n in policies)
+    within = sum(d <= 0.05 for d in deltas)
+    lines = [
+        f"## Fidelities against full training ({args.model} on {args.dataset})",
+        "",
+        provenance_lines(invocation(__file__)),
+        f"{len(policies)} policies of {args.model} (uniform ones, a seeded random subset of "
+        f"the {args.target_mode}-mode space of {', '.join(args.precisions)} per layer"
+        + (", random natively runnable mixes" if args.runnable_mixes else "")
+        + (", the target's AMP" if args.amp else "")
+        + (", exported policies" if args.policy_files else "")
+        + f"), each trained with fp32 from scratch for {args.steps} steps (batch "
+        f"{args.batch_size}, SGD lr {args.lr}, momentum 0.9: `autoprec verify`'s training) "
+        f"with {args.seeds} seeds, emulated. fp32 per seed: {fp32}. Full-training loss delta: "
+        "relative difference of the final training loss (mean of the last 10% of steps, "
+        "averaged over seeds) to fp32's; accuracy delta: final validation accuracy minus fp32's,"
+        " averaged over seeds. Over the policies: loss delta median "
+        f"{statistics.median(deltas):+.4f}, largest {deltas[-1]:+.4f} (`{worst}`), {within} "
+        f"of {len(deltas)} within the 0.05 tolerance. One full training: {truth_wall:.1f} s "
+        "(mean per policy and seed).",
+        "",
+        "Each fidelity's signal is the evaluator's `loss_delta` at its defaults (seed 0, target "
+        f"{args.target}); rho: Spearman correlation with the full-training loss delta, and with "
+        "minus the accuracy delta (1: the fidelity orders the policies as full training does). "
+        "`surrogate`: sensitivities only; `surrogate+K`: refit on K `short` evaluations (its rho "
+        "over the other policies); `short-S`: one fine-tune of S steps; `seedsN`: `short` "
+        "averaged over N warm starts; `gradnoise`: the policy's gradient error against the "
+        "minibatch gradient noise at the warm start (`autoprec.evaluate.gradnoise`, 8 batches, "
+        "no training). Cost: seconds paid once per search beyond the one warm "
+        "start and fp32 reference every fidelity needs (the sensitivity table and the K "
+        "evaluations of `surrogate+K`, the other warm starts of `seedsN`), and seconds per "
+        "policy (a cache hit re-reports the run that measured it). The last row is the ground "
+        "truth against itself: seed 0's deltas against seed 1's, the ceiling of any fidelity.",
+        "",
+        md_table(
+            [
+                "fidelity",
+                "policies",
+                "rho, loss delta",
+                "rho, accuracy delta",
+                "once (s)",
+                "per policy (s)",
+            ],
+            rows,
+        ),  # fmt: skip
+        "",
+        f"Wall time of this run: {wall:.0f} s.",
+    ]
+    if args.plot is not None:
+        rel = Path(args.plot)
+        lines += ["", f"![fidelities against full training]({rel.name})"]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
