@@ -344,3 +344,21 @@ def test_full_training_quick(tmp_path):
 
     with Image.open(plot) as image:
         assert image.format == "PNG" and image.size[0] > 100
+
+
+def test_verify_exports_quick(tmp_path):
+    section = _section(
+        _run(
+            "verify_exports.py", tmp_path, "--quick", "--work-dir", str(tmp_path / "w"), timeout=600
+        ),  # fmt: skip
+        "verify_exports",
+    )
+    _provenance_ok(section)
+    (table,) = _tables(section)
+    assert [r["arm"] for r in table][:2] == ["policy", "fp32"] and table[0]["model"] == "tinycnn"
+    assert table[0]["verdict"] in ("within", "outside")
+    assert "autoprec search --model tinycnn" in section
+    from autoprec.policy_io import load_policy
+
+    verified = load_policy(tmp_path / "w" / "tinycnn" / "best_policy.yaml").verification
+    assert verified is not None and verified.seeds == (0, 1) and verified.steps == 20
