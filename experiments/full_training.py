@@ -87,7 +87,7 @@ class Args:
     )
     amp: bool = field(default=False, metadata={"help": "also the target's blanket AMP"})
     policy_files: list[Path] = field(default_factory=list)
-    steps: int = field(default=600, metadata={"help": "full-training steps (fp32's plateau)"})
+    steps: int = field(default=500, metadata={"help": "full-training steps (fp32's plateau)"})
     seeds: int = 2
     batch_size: int = 32
     lr: float = 0.05
@@ -170,7 +170,7 @@ def full_run(args: Args, problem: Problem, assignment: dict[str, str], seed: int
         steps=args.steps, seeds=(seed,), batch_size=args.batch_size, lr=args.lr,
         dataset=args.dataset, image_size=args.image_size, mode="emulate",
     )  # fmt: skip
-    key = digest([args.model, args.dataset, config.length, seed, args.batch_size, args.lr,
+    key = digest(["v2", args.model, args.dataset, config.length, seed, args.batch_size, args.lr,
                   policy.to_dict()])  # fmt: skip
     path = cache / "full_training" / f"{key}.json"
     kept = read_entry(path, lambda p: json.loads(p.read_text()), "full-training run")
@@ -180,9 +180,16 @@ def full_run(args: Args, problem: Problem, assignment: dict[str, str], seed: int
     start = time.perf_counter()
     try:
         run = run_arm(spec, data, "policy", policy, seed, config)
-        out = {"loss": run.final_loss, "accuracy": run.val_accuracy, "val_loss": run.val_loss}
+        out = {
+            "final_loss": run.final_loss,
+            "run_loss": statistics.fmean(run.curve) if run.curve else math.inf,
+            "val_loss": run.val_loss,
+            "accuracy": run.val_accuracy,
+            "val_curve": run.val_curve,
+        }
     except Exception as err:  # noqa: BLE001 - a diverged run is a result (penalised below)
-        out = {"loss": math.inf, "accuracy": 0.0, "val_loss": math.inf, "error": str(err)[:200]}
+        out = {"final_loss": math.inf, "run_loss": math.inf, "val_loss": math.inf,
+               "accuracy": 0.0, "error": str(err)[:200]}  # fmt: skip
     out["wall_s"] = time.perf_counter() - start
     write_entry(path, lambda fh: json.dump(out, fh))
     return out
@@ -208,32 +215,47 @@ def seeded(args: Args, seed: int) -> tuple[Any, Any]:
 
 
 def ground_truth(args: Args, problem: Problem, policies: dict, cache: Path) -> dict[str, dict]:
-    """``{name: {"loss_delta", "accuracy_delta", "per_seed": [(loss d, acc d), ...]}}``."""
+    """``{name: {target: delta, "per_seed": {target: [delta of each seed]}, "wall_s"}}`` for
+    the :data:`TARGETS`, each delta positive when the policy trains worse than fp32."""
     seeds = range(args.seeds)
     reference = [full_run(args, problem, {}, s, cache) for s in seeds]
     begin = time.perf_counter()
-    truth = {}
+    truth: dict[str, dict] = {}
     for i, (name, assignment) in enumerate(policies.items()):
         runs = [full_run(args, problem, assignment, s, cache) for s in seeds]
-        mean = statistics.fmean
-        truth[name] = {
-            "loss_delta": relative_loss_delta(
-                mean(r["loss"] for r in runs), mean(r["loss"] for r in reference)
-            ),
-            "accuracy_delta": mean(
-                r["accuracy"] - f["accuracy"] for r, f in zip(runs, reference, strict=True)
-            ),
-            "per_seed": [
-                (relative_loss_delta(r["loss"], f["loss"]), r["accuracy"] - f["accuracy"])
-                for r, f in zip(runs, reference, strict=True)
-            ],
-            "wall_s": sum(r["wall_s"] for r in runs) / len(runs),
-        }
+        truth[name] = {"per_seed": {}, "wall_s": statistics.fmean(r["wall_s"] for r in runs)}
+        for target in TARGETS:
+            truth[name][target] = delta(target, runs, reference)
+            truth[name]["per_seed"][target] = [
+                delta(target, [r], [f]) for r, f in zip(runs, reference, strict=True)
+            ]
         if (i + 1) % 10 == 0 or i + 1 == len(policies):
             elapsed = time.perf_counter() - begin
             print(f"full training: {i + 1}/{len(policies)} policies ({elapsed:.0f} s)", flush=True)
     truth["fp32"] = {"reference": reference}
     return truth
+
+
+# What a whole run measures, each as a delta to fp32 that is positive when the policy is worse:
+# the final training loss (mean of the last 10% of steps; `autoprec verify`'s loss, and the
+# delta is its relative one), the training loss averaged over every step of the run (how fast
+# it learns), the final validation loss (relative), and the final validation accuracy (fp32's
+# minus the policy's).
+TARGETS = ("final_loss", "run_loss", "val_loss", "accuracy")
+TARGET_LABELS = {
+    "final_loss": "final loss",
+    "run_loss": "run loss",
+    "val_loss": "val loss",
+    "accuracy": "accuracy",
+}
+
+
+def delta(target: str, runs: list[dict], reference: list[dict]) -> float:
+    """The policy's ``target`` delta to fp32 over the seeds, as `autoprec verify` computes it
+    (relative difference of the means for losses; difference of means for accuracy)."""
+    mine = statistics.fmean(r[target] for r in runs)
+    fp32 = statistics.fmean(r[target] for r in reference)
+    return fp32 - mine if target == "accuracy" else relative_loss_delta(mine, fp32)
 
 
 # ---------------------------------------------------------------------------------- fidelities
@@ -336,23 +358,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for fid in args.fidelities:
         names = [n for n in policies if n not in left_out[fid]]
         x = [signals[fid][n] for n in names]
-        rho_loss = rank(x, [truth[n]["loss_delta"] for n in names])
-        rho_acc = rank(x, [-truth[n]["accuracy_delta"] for n in names])
+        table[fid] = {t: rank(x, [truth[n][t] for n in names]) for t in TARGETS}
         once, each = costs[fid]
-        table[fid] = {"loss": rho_loss, "accuracy": rho_acc, "once_s": once, "each_s": each}
-        rows.append(
-            [fid, len(names), f"{rho_loss:.2f}", f"{rho_acc:.2f}", _seconds(once), _seconds(each)]
-        )
-    names = list(policies)
-    repeat = {}
+        table[fid].update(once_s=once, each_s=each)
+        rhos = [f"{table[fid][t]:.2f}" for t in TARGETS]
+        rows.append([fid, len(names), *rhos, _seconds(once), _seconds(each)])
+    names, repeat = list(policies), {}
     if args.seeds >= 2:
-        for k, what in ((0, "loss"), (1, "accuracy")):
-            a = [truth[n]["per_seed"][0][k] for n in names]
-            b = [truth[n]["per_seed"][1][k] for n in names]
-            repeat[what] = rank(a, b)
-        rho_loss, rho_acc = f"{repeat['loss']:.2f}", f"{repeat['accuracy']:.2f}"
+        for t in TARGETS:
+            seed0, seed1 = ([truth[n]["per_seed"][t][k] for n in names] for k in (0, 1))
+            repeat[t] = rank(seed0, seed1)
         each = _seconds(truth_wall * args.seeds)
-        rows.append(["full training, seed 0 vs seed 1", len(names), rho_loss, rho_acc, "-", each])
+        rhos = [f"{repeat[t]:.2f}" for t in TARGETS]
+        rows.append(["full training, seed 0 vs seed 1", len(names), *rhos, "-", each])
     if args.csv is not None:
         write_rows(args, policies, truth, signals)
     if args.plot is not None:
@@ -371,8 +389,9 @@ def write_rows(args: Args, policies: dict, truth: dict, signals: dict) -> None:
     from autoprec.cache import write_csv
 
     rows = [
-        {"policy": n, "loss_delta": truth[n]["loss_delta"],
-         "accuracy_delta": truth[n]["accuracy_delta"],
+        {"policy": n, **{f"truth_{t}": truth[n][t] for t in TARGETS},
+         **{f"seed{k}_{t}": truth[n]["per_seed"][t][k] for t in TARGETS
+            for k in range(len(truth[n]["per_seed"][t]))},
          **{f"signal_{f}": s[n] for f, s in signals.items()}}
         for n in policies
     ]  # fmt: skip
@@ -387,14 +406,14 @@ def plot(args: Args, policies: dict, truth: dict, signals: dict, table: dict) ->
 
     fids = list(signals)
     fig, axes = plt.subplots(1, len(fids), figsize=(3.2 * len(fids), 3.2), squeeze=False)
-    y = [truth[n]["loss_delta"] for n in policies]
+    y = [truth[n]["final_loss"] for n in policies]
     for ax, fid in zip(axes[0], fids, strict=True):
         ax.scatter([signals[fid][n] for n in policies], y, s=8, alpha=0.6)
-        ax.set_title(f"{fid} (rho {table[fid]['loss']:.2f})", fontsize=9)
-        ax.set_xlabel("fidelity's loss delta", fontsize=8)
+        ax.set_title(f"{fid} (rho {table[fid]['final_loss']:.2f})", fontsize=9)
+        ax.set_xlabel("fidelity's signal", fontsize=8)
         ax.set_yscale("symlog", linthresh=1e-3)
         ax.set_xscale("symlog", linthresh=1e-4)
-    axes[0][0].set_ylabel("full-training loss delta", fontsize=8)
+    axes[0][0].set_ylabel("full-training final loss delta", fontsize=8)
     fig.suptitle(f"{args.model} on {args.dataset}: fidelities against {args.steps}-step training")
     fig.tight_layout()
     fig.savefig(args.plot, dpi=110)
@@ -403,9 +422,14 @@ def plot(args: Args, policies: dict, truth: dict, signals: dict, table: dict) ->
 
 def report(args: Args, policies: dict, truth: dict, rows: list, truth_wall: float, wall: float):
     ref = truth["fp32"]["reference"]
-    fp32 = ", ".join(f"loss {r['loss']:.4f}, accuracy {r['accuracy']:.3f}" for r in ref)
-    worst = max(policies, key=lambda n: truth[n]["loss_delta"])
-    deltas = sorted(truth[n]["loss_delta"] for n in policies)
+    fp32 = "; ".join(
+        f"final loss {r['final_loss']:.4f}, val loss {r['val_loss']:.4f}, accuracy "
+        f"{r['accuracy']:.3f}"
+        for r in ref
+    )
+    worst = max(policies, key=lambda n: truth[n]["final_loss"])
+    deltas = sorted(truth[n]["final_loss"] for n in policies)
+    accuracy = sorted(-truth[n]["accuracy"] for n in policies)
     within = sum(d <= 0.05 for d in deltas)
     lines = [
         f"## Fidelities against full training ({args.model} on {args.dataset})",
@@ -418,17 +442,20 @@ def report(args: Args, policies: dict, truth: dict, rows: list, truth_wall: floa
         + (", exported policies" if args.policy_files else "")
         + f"), each trained with fp32 from scratch for {args.steps} steps (batch "
         f"{args.batch_size}, SGD lr {args.lr}, momentum 0.9: `autoprec verify`'s training) "
-        f"with {args.seeds} seeds, emulated. fp32 per seed: {fp32}. Full-training loss delta: "
-        "relative difference of the final training loss (mean of the last 10% of steps, "
-        "averaged over seeds) to fp32's; accuracy delta: final validation accuracy minus fp32's,"
-        " averaged over seeds. Over the policies: loss delta median "
+        f"with {args.seeds} seeds, emulated. fp32 per seed: {fp32}. What full training "
+        "measures, each a delta to fp32 over the seeds: `final loss`, the relative difference "
+        "of the final training loss (mean of the last 10% of steps; `autoprec verify`'s loss "
+        "delta); `run loss`, of the training loss averaged over every step (how fast it "
+        "learns); `val loss`, of the final validation loss; `accuracy`, fp32's final "
+        "validation accuracy minus the policy's. Over the policies: final loss delta median "
         f"{statistics.median(deltas):+.4f}, largest {deltas[-1]:+.4f} (`{worst}`), {within} "
-        f"of {len(deltas)} within the 0.05 tolerance. One full training: {truth_wall:.1f} s "
-        "(mean per policy and seed).",
+        f"of {len(deltas)} within the 0.05 tolerance; accuracy delta from {accuracy[0]:+.4f} "
+        f"to {accuracy[-1]:+.4f}. One full training: {truth_wall:.1f} s (mean per policy and "
+        "seed).",
         "",
         "Each fidelity's signal is the evaluator's `loss_delta` at its defaults (seed 0, target "
-        f"{args.target}); rho: Spearman correlation with the full-training loss delta, and with "
-        "minus the accuracy delta (1: the fidelity orders the policies as full training does). "
+        f"{args.target}; `gradnoise`'s ratio); rho: its Spearman correlation with each "
+        "full-training delta (1: the fidelity orders the policies as full training does). "
         "`surrogate`: sensitivities only; `surrogate+K`: refit on K `short` evaluations (its rho "
         "over the other policies); `short-S`: one fine-tune of S steps; `seedsN`: `short` "
         "averaged over N warm starts; `gradnoise`: the policy's gradient error against the "
@@ -443,8 +470,7 @@ def report(args: Args, policies: dict, truth: dict, rows: list, truth_wall: floa
             [
                 "fidelity",
                 "policies",
-                "rho, loss delta",
-                "rho, accuracy delta",
+                *(f"rho, {TARGET_LABELS[t]}" for t in TARGETS),
                 "once (s)",
                 "per policy (s)",
             ],

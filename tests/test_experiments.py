@@ -337,7 +337,7 @@ def test_full_training_quick(tmp_path):
     }  # fmt: skip
     assert rows["short"]["policies"] == "6" and rows["surrogate+2"]["policies"] == "4"
     for r in table:
-        for column in ("rho, loss delta", "rho, accuracy delta"):
+        for column in ("rho, final loss", "rho, run loss", "rho, val loss", "rho, accuracy"):
             assert r[column] == "nan" or -1 <= _num(r[column]) <= 1
     assert _num(rows["gradnoise"]["per policy (s)"]) > 0
     from PIL import Image
