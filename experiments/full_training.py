@@ -108,7 +108,8 @@ class Args:
     def __post_init__(self) -> None:
         if self.quick:
             self.precisions, self.policies, self.steps = ["fp32", "bf16"], 6, 10
-            self.fidelities = ["surrogate", "surrogate+2", "short", "gradnoise"]
+            if self.fidelities == BASE_FIDELITIES:
+                self.fidelities = ["surrogate", "surrogate+2", "short", "scratch-5", "gradnoise"]
 
     @property
     def section(self) -> str:
@@ -192,7 +193,7 @@ def full_run(args: Args, problem: Problem, assignment: dict[str, str], seed: int
                "accuracy": 0.0, "error": str(err)[:200]}  # fmt: skip
     out["wall_s"] = time.perf_counter() - start
     write_entry(path, lambda fh: json.dump(out, fh))
-    return out
+    return {**out, "fresh": True}
 
 
 _SEEDED: dict[int, Any] = {}
@@ -265,6 +266,8 @@ def fidelity_signals(
     """``({policy: loss_delta}, (seconds once, seconds per policy), names left out of the
     correlation)`` of the fidelity ``name``; the times of a run that found its evaluations in
     the cache are those of the run that made them."""
+    if name.startswith("scratch-"):
+        return scratch_signals(args, policies, cache, int(name.split("-", 1)[1]))
     seeds = int(name[len("seeds") :]) if name.startswith("seeds") else 1
     steps = int(name.split("-", 1)[1]) if name.startswith("short-") else None
     problems = [make_problem(args, cache, seed=s, steps=steps) for s in range(seeds)]
@@ -308,6 +311,30 @@ def fidelity_signals(
         kept = read_entry(cost_file, lambda p: json.loads(p.read_text()), "fidelity cost")
         cost = tuple(kept) if kept else (math.nan, math.nan)
     return signals, cost, left_out
+
+
+SCRATCH_SEED = 1000  # a seed the ground truth does not use: no run of it is reused
+
+
+def scratch_signals(
+    args: Args, policies: dict, cache: Path, steps: int
+) -> tuple[dict[str, float], tuple[float, float], set[str]]:
+    """Each policy trained from fresh weights for ``steps`` steps beside fp32 (one seed the
+    ground truth does not use): the relative difference of the training loss over the run."""
+    short = dataclasses.replace(args, steps=steps)
+    problem = make_problem(args, cache)
+    reference = full_run(short, problem, {}, SCRATCH_SEED, cache)
+    signals, spent, fresh = {}, 0.0, 0
+    for n, a in policies.items():
+        run = full_run(short, problem, a, SCRATCH_SEED, cache)
+        signals[n] = delta("run_loss", [run], [reference])
+        if run.get("fresh"):
+            fresh, spent = fresh + 1, spent + run["wall_s"]
+    cost_file = cache / "full_training" / f"cost-{digest([args.model, args.dataset, steps])}.json"
+    if fresh:
+        write_entry(cost_file, lambda fh: json.dump(spent / fresh, fh))
+    each = read_entry(cost_file, lambda p: json.loads(p.read_text()), "fidelity cost")
+    return signals, (0.0, math.nan if each is None else each), set()
 
 
 def gradnoise_signals(problem: Problem, policies: dict) -> tuple[dict[str, float], float]:
@@ -453,18 +480,21 @@ def report(args: Args, policies: dict, truth: dict, rows: list, truth_wall: floa
         f"to {accuracy[-1]:+.4f}. One full training: {truth_wall:.1f} s (mean per policy and "
         "seed).",
         "",
-        "Each fidelity's signal is the evaluator's `loss_delta` at its defaults (seed 0, target "
-        f"{args.target}; `gradnoise`'s ratio); rho: its Spearman correlation with each "
+        "Each fidelity's signal is the evaluator's `loss_delta` at its defaults (seed 0, target"
+        f" {args.target}; `gradnoise`'s ratio); rho: its Spearman correlation with each "
         "full-training delta (1: the fidelity orders the policies as full training does). "
-        "`surrogate`: sensitivities only; `surrogate+K`: refit on K `short` evaluations (its rho "
-        "over the other policies); `short-S`: one fine-tune of S steps; `seedsN`: `short` "
-        "averaged over N warm starts; `gradnoise`: the policy's gradient error against the "
-        "minibatch gradient noise at the warm start (`autoprec.evaluate.gradnoise`, 8 batches, "
-        "no training). Cost: seconds paid once per search beyond the one warm "
-        "start and fp32 reference every fidelity needs (the sensitivity table and the K "
-        "evaluations of `surrogate+K`, the other warm starts of `seedsN`), and seconds per "
-        "policy (a cache hit re-reports the run that measured it). The last row is the ground "
-        "truth against itself: seed 0's deltas against seed 1's, the ceiling of any fidelity.",
+        "`surrogate`: sensitivities only; `surrogate+K`: refit on K `short` evaluations (its "
+        "rho over the other policies); `short-S`: one fine-tune of S steps; `seedsN`: `short` "
+        "averaged over N warm starts; `scratch-S`: the policy and fp32 trained from the same "
+        "fresh weights for S steps (a seed the ground truth does not use), the relative "
+        "difference of their training loss over the run; `gradnoise`: the policy's gradient "
+        "error against the minibatch gradient noise at the warm start "
+        "(`autoprec.evaluate.gradnoise`, 8 batches, no training). Cost: seconds paid once per "
+        "search beyond the one warm start and fp32 reference every fidelity needs (the "
+        "sensitivity table and the K evaluations of `surrogate+K`, the other warm starts of "
+        "`seedsN`), and seconds per policy (a cache hit re-reports the run that measured it). "
+        "The last row is the ground truth against itself: seed 0's deltas against seed 1's, the"
+        " ceiling of any fidelity.",
         "",
         md_table(
             [

@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
         *notes,
         "",
     ])  # fmt: skip
-    publish("verify_exports", body, args)
+    publish("verify_exports_" + "_".join(args.models), body, args)
 
 
 def _summary(policy: Any, model: str, size: int | None) -> str:

@@ -192,6 +192,7 @@ def test_hypervolume_matches_optuna_on_random_fronts():
         ("ground_truth", ["--quick", "--plot", str(ROOT / "docs" / "regret.png")]),
         ("migration", ["--quick", "--write-docs"]),
         ("gpu_validate", ["--dry-run", "--write-docs"]),
+        ("traps", ["--quick", "--write-docs"]),
     ],
 )
 def test_quick_and_dry_runs_refuse_to_write_under_docs(script, args, capsys):
@@ -333,7 +334,8 @@ def test_full_training_quick(tmp_path):
     (table,) = _tables(section)
     rows = {r["fidelity"]: r for r in table}
     assert set(rows) == {
-        "surrogate", "surrogate+2", "short", "gradnoise", "full training, seed 0 vs seed 1"
+        "surrogate", "surrogate+2", "short", "scratch-5", "gradnoise",
+        "full training, seed 0 vs seed 1",
     }  # fmt: skip
     assert rows["short"]["policies"] == "6" and rows["surrogate+2"]["policies"] == "4"
     for r in table:
@@ -351,7 +353,7 @@ def test_verify_exports_quick(tmp_path):
         _run(
             "verify_exports.py", tmp_path, "--quick", "--work-dir", str(tmp_path / "w"), timeout=600
         ),  # fmt: skip
-        "verify_exports",
+        "verify_exports_tinycnn",
     )
     _provenance_ok(section)
     (table,) = _tables(section)
@@ -362,3 +364,25 @@ def test_verify_exports_quick(tmp_path):
 
     verified = load_policy(tmp_path / "w" / "tinycnn" / "best_policy.yaml").verification
     assert verified is not None and verified.seeds == (0, 1) and verified.steps == 20
+
+
+def test_traps_quick(tmp_path):
+    section = _section(_run("traps.py", tmp_path, "--quick"), "traps")
+    _provenance_ok(section)
+    why, searches = _tables(section)
+    assert [r["policy"] for r in why] == ["embed bf16", "embed fp16 (safe)", "others bf16/fp8"]
+    unsafe, safe, others = why
+    assert _num(unsafe["loss delta, short fidelity"]) > 0.1  # the trap shows at once
+    for r in (safe, others):
+        assert abs(_num(r["loss delta, short fidelity"])) < 0.05
+    for r in why:
+        assert math.isfinite(_num(r["loss delta, 60 steps from scratch"]))
+    assert [(r["trap"], r["agent"]) for r in searches] == [
+        ("offset_trap", "ppo"),
+        ("offset_trap", "tpe"),
+    ]
+    for r in searches:
+        assert r["finished"] == "1 of 1" and r["trap layers safe"] == "1 of 1"
+        assert r["unsafe choices"] == "none" and r["trap layer precisions"] != "bf16"
+        assert _num(r["median speedup"]) > 0
+    assert section.count(": passes (") == 2
