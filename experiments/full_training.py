@@ -113,7 +113,12 @@ class Args:
 
     @property
     def section(self) -> str:
-        return f"full_training_{self.model}" + dataset_suffix(self.dataset)
+        return f"full_training_{self.slug}" + dataset_suffix(self.dataset)
+
+    @property
+    def slug(self) -> str:
+        """The model's name as a file name (a user model's ``module:factory`` -> ``factory``)."""
+        return self.model.rsplit(":", 1)[-1]
 
 
 # ------------------------------------------------------------------------------- the policies
@@ -365,7 +370,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(Args, __doc__.splitlines()[0], argv)
     if args.write_docs and args.plot is None:
         args.plot = (
-            DOCS.parent / f"full-training-{args.model}{dataset_suffix(args.dataset, '-')}.png"
+            DOCS.parent / f"full-training-{args.slug}{dataset_suffix(args.dataset, '-')}.png"
         )
     if args.plot is not None:
         docs_output(args.plot)
