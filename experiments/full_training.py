@@ -198,7 +198,7 @@ def full_run(args: Args, problem: Problem, assignment: dict[str, str], seed: int
                "accuracy": 0.0, "error": str(err)[:200]}  # fmt: skip
     out["wall_s"] = time.perf_counter() - start
     write_entry(path, lambda fh: json.dump(out, fh))
-    return {**out, "fresh": True}
+    return out
 
 
 _SEEDED: dict[int, Any] = {}
@@ -269,8 +269,20 @@ def fidelity_signals(
     args: Args, policies: dict, cache: Path, name: str
 ) -> tuple[dict[str, float], tuple[float, float], set[str]]:
     """``({policy: loss_delta}, (seconds once, seconds per policy), names left out of the
-    correlation)`` of the fidelity ``name``; the times of a run that found its evaluations in
-    the cache are those of the run that made them."""
+    correlation)`` of the fidelity ``name``. Its costs are those of the first run that
+    measured them (kept in ``cache``): a later run reads evaluations back from the cache."""
+    signals, measured, left_out = _signals(args, policies, cache, name)
+    path = cache / "full_training" / f"cost-{digest([args.model, args.dataset, name])}.json"
+    if measured is not None and not path.exists():
+        write_entry(path, lambda fh: json.dump(measured, fh))
+    kept = read_entry(path, lambda p: json.loads(p.read_text()), "fidelity cost")
+    return signals, tuple(kept) if kept else (math.nan, math.nan), left_out
+
+
+def _signals(
+    args: Args, policies: dict, cache: Path, name: str
+) -> tuple[dict[str, float], tuple[float, float] | None, set[str]]:
+    """The signals, the costs if this call measured them (else None), the left-out names."""
     if name.startswith("scratch-"):
         return scratch_signals(args, policies, cache, int(name.split("-", 1)[1]))
     seeds = int(name[len("seeds") :]) if name.startswith("seeds") else 1
@@ -308,14 +320,7 @@ def fidelity_signals(
                 fresh, spent = fresh + 1, spent + time.perf_counter() - start
         per_problem.append(signals)
     signals = {n: statistics.fmean(s[n] for s in per_problem) for n in policies}
-    cost_file = cache / "full_training" / f"cost-{digest([args.model, args.dataset, name])}.json"
-    if fresh:
-        cost = (once, spent / fresh * seeds)
-        write_entry(cost_file, lambda fh: json.dump(cost, fh))
-    else:
-        kept = read_entry(cost_file, lambda p: json.loads(p.read_text()), "fidelity cost")
-        cost = tuple(kept) if kept else (math.nan, math.nan)
-    return signals, cost, left_out
+    return signals, (once, spent / fresh * seeds) if fresh else None, left_out
 
 
 SCRATCH_SEED = 1000  # a seed the ground truth does not use: no run of it is reused
@@ -323,23 +328,18 @@ SCRATCH_SEED = 1000  # a seed the ground truth does not use: no run of it is reu
 
 def scratch_signals(
     args: Args, policies: dict, cache: Path, steps: int
-) -> tuple[dict[str, float], tuple[float, float], set[str]]:
+) -> tuple[dict[str, float], tuple[float, float] | None, set[str]]:
     """Each policy trained from fresh weights for ``steps`` steps beside fp32 (one seed the
     ground truth does not use): the relative difference of the training loss over the run."""
     short = dataclasses.replace(args, steps=steps)
     problem = make_problem(args, cache)
     reference = full_run(short, problem, {}, SCRATCH_SEED, cache)
-    signals, spent, fresh = {}, 0.0, 0
+    signals, spent = {}, []
     for n, a in policies.items():
         run = full_run(short, problem, a, SCRATCH_SEED, cache)
         signals[n] = delta("run_loss", [run], [reference])
-        if run.get("fresh"):
-            fresh, spent = fresh + 1, spent + run["wall_s"]
-    cost_file = cache / "full_training" / f"cost-{digest([args.model, args.dataset, steps])}.json"
-    if fresh:
-        write_entry(cost_file, lambda fh: json.dump(spent / fresh, fh))
-    each = read_entry(cost_file, lambda p: json.loads(p.read_text()), "fidelity cost")
-    return signals, (0.0, math.nan if each is None else each), set()
+        spent.append(run["wall_s"])  # the time it took when it was made
+    return signals, (0.0, statistics.fmean(spent)), set()
 
 
 def gradnoise_signals(problem: Problem, policies: dict) -> tuple[dict[str, float], float]:
@@ -512,7 +512,8 @@ def report(args: Args, policies: dict, truth: dict, rows: list, truth_wall: floa
             rows,
         ),  # fmt: skip
         "",
-        f"Wall time of this run: {wall:.0f} s.",
+        f"Wall time of this run: {wall:.0f} s (runs and evaluations found in `--cache-dir` "
+        "are read back, not repeated; their times are those of the run that made them).",
     ]
     if args.plot is not None:
         rel = Path(args.plot)
