@@ -272,11 +272,21 @@ def fidelity_signals(
     correlation)`` of the fidelity ``name``. Its costs are those of the first run that
     measured them (kept in ``cache``): a later run reads evaluations back from the cache."""
     signals, measured, left_out = _signals(args, policies, cache, name)
+    if name.startswith("surrogate+"):  # the table, then K short evaluations, at their costs
+        table, short = _cost(args, cache, "surrogate"), _cost(args, cache, "short")
+        return signals, (table[0] + len(left_out) * short[1], table[1]), left_out
+    return signals, _cost(args, cache, name, measured), left_out
+
+
+def _cost(
+    args: Args, cache: Path, name: str, measured: tuple[float, float] | None = None
+) -> tuple[float, float]:
+    """The first measured costs of fidelity ``name`` (``measured`` is kept if none was)."""
     path = cache / "full_training" / f"cost-{digest([args.model, args.dataset, name])}.json"
     if measured is not None and not path.exists():
         write_entry(path, lambda fh: json.dump(measured, fh))
     kept = read_entry(path, lambda p: json.loads(p.read_text()), "fidelity cost")
-    return signals, tuple(kept) if kept else (math.nan, math.nan), left_out
+    return tuple(kept) if kept else (math.nan, math.nan)
 
 
 def _signals(
@@ -297,12 +307,12 @@ def _signals(
         problem = problems[0]
         start = time.perf_counter()
         problem.evaluator.surrogate()  # the sensitivity table, once per search
+        once += time.perf_counter() - start
         if "+" in name:
             k = int(name.split("+", 1)[1])
             left_out = set(random.Random(args.sample_seed + 1).sample(sorted(policies), k))
             for n in sorted(left_out):
                 problem.evaluate(policies[n], "short")  # the surrogate refits on each
-        once += time.perf_counter() - start
         start = time.perf_counter()
         signals = {n: problem.evaluate(a, "surrogate").loss_delta for n, a in policies.items()}
         return signals, (once, (time.perf_counter() - start) / len(policies)), left_out
@@ -437,15 +447,21 @@ def plot(args: Args, policies: dict, truth: dict, signals: dict, table: dict) ->
     import matplotlib.pyplot as plt
 
     fids = list(signals)
-    fig, axes = plt.subplots(1, len(fids), figsize=(3.2 * len(fids), 3.2), squeeze=False)
+    cols = min(3, len(fids))
+    rows = -(-len(fids) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 3.2 * rows), squeeze=False)
+    for ax in axes.flat[len(fids) :]:
+        ax.axis("off")
     y = [truth[n]["final_loss"] for n in policies]
-    for ax, fid in zip(axes[0], fids, strict=True):
+    for ax, fid in zip(axes.flat, fids, strict=False):
+        ax.tick_params(axis="x", labelsize=7, labelrotation=30)
         ax.scatter([signals[fid][n] for n in policies], y, s=8, alpha=0.6)
         ax.set_title(f"{fid} (rho {table[fid]['final_loss']:.2f})", fontsize=9)
         ax.set_xlabel("fidelity's signal", fontsize=8)
         ax.set_yscale("symlog", linthresh=1e-3)
         ax.set_xscale("symlog", linthresh=1e-4)
-    axes[0][0].set_ylabel("full-training final loss delta", fontsize=8)
+    for row in axes:
+        row[0].set_ylabel("full-training final loss delta", fontsize=8)
     fig.suptitle(f"{args.model} on {args.dataset}: fidelities against {args.steps}-step training")
     fig.tight_layout()
     fig.savefig(args.plot, dpi=110)
