@@ -116,6 +116,11 @@ class Args:
         return f"full_training_{self.slug}" + dataset_suffix(self.dataset)
 
     @property
+    def size(self) -> int | None:
+        """The image size models are built at (torchvision ones at 32 unless given)."""
+        return self.image_size or (None if self.model in ("tinycnn", "mlp") else 32)
+
+    @property
     def slug(self) -> str:
         """The model's name as a file name (a user model's ``module:factory`` -> ``factory``)."""
         return self.model.rsplit(":", 1)[-1]
@@ -124,8 +129,7 @@ class Args:
 # ------------------------------------------------------------------------------- the policies
 def make_problem(args: Args, cache: Path, seed: int = 0, steps: int | None = None) -> Problem:
     """The evaluator (at its defaults, but for the seed and steps) as the agents see it."""
-    size = args.image_size or (None if args.model in ("tinycnn", "mlp") else 32)
-    spec = load_model(args.model, num_classes=10, image_size=size)
+    spec = load_model(args.model, num_classes=10, image_size=args.size)
     data = load_dataset_for(spec, args.dataset, seed=0)
     settings = {"seed": seed, "target_mode": args.target_mode}
     if steps is not None:
@@ -209,8 +213,7 @@ def seeded(args: Args, seed: int) -> tuple[Any, Any]:
     import torch
 
     if seed not in _SEEDED:
-        size = args.image_size or (None if args.model in ("tinycnn", "mlp") else 32)
-        spec = load_model(args.model, num_classes=10, image_size=size, seed=seed)
+        spec = load_model(args.model, num_classes=10, image_size=args.size, seed=seed)
         data = load_dataset_for(spec, args.dataset, seed=seed)
         initial = {k: v.detach().clone() for k, v in spec.module.state_dict().items()}
         _SEEDED[seed] = (spec, data, initial)
