@@ -298,6 +298,9 @@ def _signals(
     """The signals, the costs if this call measured them (else None), the left-out names."""
     if name.startswith("scratch-"):
         return scratch_signals(args, policies, cache, int(name.split("-", 1)[1]))
+    if name == "gradnoise":  # the warm start only: no fine-tuned reference
+        signals, each = gradnoise_signals(make_problem(args, cache), policies)
+        return signals, (0.0, each), set()
     seeds = int(name[len("seeds") :]) if name.startswith("seeds") else 1
     steps = int(name.split("-", 1)[1]) if name.startswith("short-") else None
     problems = [make_problem(args, cache, seed=s, steps=steps) for s in range(seeds)]
@@ -319,9 +322,6 @@ def _signals(
         start = time.perf_counter()
         signals = {n: problem.evaluate(a, "surrogate").loss_delta for n, a in policies.items()}
         return signals, (once, (time.perf_counter() - start) / len(policies)), left_out
-    if name == "gradnoise":
-        signals, each = gradnoise_signals(problems[0], policies)
-        return signals, (0.0, each), set()
     fidelity = "full" if name == "full" else "short"
     per_problem, fresh, spent = [], 0, 0.0
     for p in problems:
