@@ -262,8 +262,12 @@ def verify(
             weights every run starts from, instead of fresh ones.
         callback: told of every run's start, step and end.
 
+    Each seed trains fp32 first; an fp32 run whose final loss is not below its first step's is
+    an error (every delta would be to a model that did not learn).
+
     Raises:
-        VerifyError: no target for the ``amp`` arm, an unreadable checkpoint.
+        VerifyError: no target for the ``amp`` arm, an unreadable checkpoint, an fp32 run that
+            did not learn.
         PolicyMismatchError: the policy does not fit the model.
         ModelError, DatasetError, TrainConfigError: as :func:`autoprec.train.train`.
     """
@@ -289,14 +293,20 @@ def verify(
         dataset = data.name
         initial = weights if weights is not None else spec.module.state_dict()
         initial = {k: v.detach().clone() for k, v in initial.items()}
-        for arm, arm_pol in arms.items():
+        for arm in sorted(arms, key=lambda a: a != "fp32"):  # fp32 first: it must learn
             _load(spec.module, initial, checkpoint)  # every arm starts from the same weights
             if callback is not None:
                 callback.run_started(arm, seed)
-            run = run_arm(spec, data, arm, arm_pol, seed, config, callback)
+            run = run_arm(spec, data, arm, arms[arm], seed, config, callback)
             runs[arm].append(run)
             if callback is not None:
                 callback.run_finished(run)
+            if arm == "fp32" and not run.final_loss < run.curve[0]:
+                raise VerifyError(
+                    f"fp32 did not learn (seed {seed}: training loss {run.curve[0]:.3g} at the "
+                    f"first step, {run.final_loss:.3g} at the end, lr {config.lr:g}): a verdict "
+                    "against it would measure noise; give a lower --lr or a longer run"
+                )
     results = tuple(ArmResult.of(arm, arms[arm], runs[arm]) for arm in arms)
     mine, fp32 = results[0], next(a for a in results if a.arm == "fp32")
     loss_delta = relative_loss_delta(mine.loss_mean, fp32.loss_mean)

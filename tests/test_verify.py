@@ -142,6 +142,7 @@ BAD_INPUT = {
     "must include fp32": "--arms amp",
     "unknown policy file suffix": "--out out.txt",
     "cannot write to": "--out blocker/out.yaml",
+    "fp32 did not learn (seed 0": "--dataset digits --steps 6 --seeds 1 --lr 5 --target h100-sxm",
 }
 
 

@@ -21,13 +21,22 @@ from autoprec.evaluate.reward import RewardConfig
 if TYPE_CHECKING:  # pragma: no cover
     from autoprec.evaluate.evaluator import Evaluator
     from autoprec.evaluate.scoring import ReferenceDivergedError
+    from autoprec.evaluate.warm_start import WarmStartError
 
 _LAZY = {  # these import torch
     "Evaluator": "autoprec.evaluate.evaluator",
     "ReferenceDivergedError": "autoprec.evaluate.scoring",
+    "WarmStartError": "autoprec.evaluate.warm_start",
 }
 
-__all__ = ["Evaluator", "EvaluatorConfig", "Metrics", "ReferenceDivergedError", "RewardConfig"]
+__all__ = [
+    "Evaluator",
+    "EvaluatorConfig",
+    "Metrics",
+    "ReferenceDivergedError",
+    "RewardConfig",
+    "WarmStartError",
+]
 
 
 __getattr__ = lazy_getattr(globals(), _LAZY)

@@ -298,7 +298,7 @@ class Evaluator:
         if mode == "native" and self.unrunnable(policy.resolve(self.spec.module)):
             mode = "emulate"
         self.runs += 1
-        return self._tuner.run(policy, fidelity, state, mode, start)
+        return self._tuner.run(policy, fidelity, state, mode, start, self._warm.lr_scale)
 
     def _cost(self, run: FineTuneRun, precisions: Mapping[str, Precision]) -> tuple[float, int]:
         """The run's measured step time and memory, else the cost model's for ``precisions``."""

@@ -74,10 +74,12 @@ class FineTuner:
         state: dict[str, torch.Tensor],
         mode: str,
         started: float,
+        lr_scale: float = 1.0,
     ) -> FineTuneRun:
         """Every replicate of ``fidelity`` from ``state`` in runtime ``mode``: losses and
         accuracy averaged, counts summed, step times pooled; one diverging replicate makes the
-        run diverged. ``started`` (a ``perf_counter`` time) begins the run's wall time."""
+        run diverged. ``started`` (a ``perf_counter`` time) begins the run's wall time;
+        ``lr_scale`` multiplies the fine-tuning rate (the warm start's back-off)."""
         cfg, dev = self.config, self.device
         run = FineTuneRun()
         losses, val_losses, accuracies, times = [], [], [], []
@@ -95,7 +97,9 @@ class FineTuner:
                 handle = apply_policy(model, policy, mode=mode)
                 scaler = LossScaler.from_config(policy.loss_scaling, device=dev)
                 opt = torch.optim.SGD(
-                    model.parameters(), lr=cfg.resolved_finetune_lr, momentum=cfg.momentum
+                    model.parameters(),
+                    lr=cfg.resolved_finetune_lr * lr_scale,
+                    momentum=cfg.momentum,
                 )
                 times += self._fine_tune(model, batches, opt, scaler, run)
                 run.loss_scale = scaler.summary()

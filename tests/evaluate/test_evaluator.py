@@ -7,8 +7,15 @@ import dataclasses
 import math
 
 import pytest
+import torch
 
-from autoprec.evaluate import Evaluator, EvaluatorConfig, Metrics, ReferenceDivergedError
+from autoprec.evaluate import (
+    Evaluator,
+    EvaluatorConfig,
+    Metrics,
+    ReferenceDivergedError,
+    WarmStartError,
+)
 from autoprec.layers import tunable_layers
 
 SMALL = {"steps": 6, "warm_start_steps": 30}
@@ -240,11 +247,49 @@ def test_the_runnability_table_is_part_of_the_key(spec, data):
 
 def test_a_diverging_reference_is_a_clear_error(spec, data, monkeypatch):
     ev = Evaluator(spec, data, TARGET, **SMALL)
+    ev.warm_start_state()  # learnt; the fine-tunes after it diverge
     loss = spec.loss
     monkeypatch.setattr(spec, "loss", lambda out, y: loss(out, y) * float("nan"))
     with pytest.raises(ReferenceDivergedError, match="fp32 reference run diverged") as err:
         ev.evaluate("bf16")
     assert isinstance(err.value, ValueError) and "\n" not in str(err.value)
+
+
+def test_a_warm_start_that_does_not_learn_is_retried_at_a_lower_rate(spec, data, monkeypatch):
+    # tinycnn on digits diverges at lr 5 and 1.25 (30 steps) and learns at 0.3125
+    ev = Evaluator(spec, data, TARGET, steps=6, warm_start_steps=30, lr=5.0)
+    with pytest.warns(UserWarning, match=r"did not learn at lr 5: .*trained at lr 0.3125"):
+        ev.warm_start_state()
+    attempts = ev._warm.attempts
+    assert [a.lr for a in attempts] == [5.0, 1.25, 0.3125]
+    assert [a.learned for a in attempts] == [False, False, True]
+    assert attempts[0].diverged and attempts[-1].last_loss < attempts[-1].first_loss
+    assert ev._warm.lr_scale == 0.0625
+    # the rate is saved with the weights: another evaluator loads both, trains nothing, and
+    # fine-tunes at the same fraction of its own rate
+    again = Evaluator(spec, data, TARGET, steps=6, warm_start_steps=30, lr=5.0)
+    rates = []
+    sgd = torch.optim.SGD
+
+    def spy(params, lr, **kwargs):
+        rates.append(lr)
+        return sgd(params, lr=lr, **kwargs)
+
+    monkeypatch.setattr(torch.optim, "SGD", spy)
+    again.evaluate("bf16")
+    assert not again.warm_start_trained and again._warm.lr_scale == 0.0625
+    assert rates and set(rates) == {again.config.resolved_finetune_lr * 0.0625}
+    assert "autoprec.warm_start_lr" not in again.warm_start_state()
+
+
+def test_a_warm_start_that_learns_at_no_rate_is_a_clear_error(spec, data, monkeypatch):
+    ev = Evaluator(spec, data, TARGET, **SMALL)
+    loss = spec.loss
+    monkeypatch.setattr(spec, "loss", lambda out, y: loss(out, y) * float("nan"))
+    with pytest.raises(WarmStartError, match="learnt at no learning rate tried") as err:
+        ev.warm_start_state()
+    assert isinstance(err.value, ValueError) and "\n" not in str(err.value)
+    assert not ev.warm_start_path.exists()  # nothing saved
 
 
 def test_surrogate_episodes_price_fp32_and_amp_once(spec, data):
