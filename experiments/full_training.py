@@ -89,6 +89,13 @@ class Args:
     policy_files: list[Path] = field(default_factory=list)
     steps: int = field(default=500, metadata={"help": "full-training steps (fp32's plateau)"})
     seeds: int = 2
+    fill_seed: int | None = field(
+        default=None,
+        metadata={
+            "help": "only train this seed's ground truth into the cache, then stop "
+            "(to run the seeds in parallel processes; a later run reads them)"
+        },
+    )
     batch_size: int = 32
     lr: float = 0.05
     fidelities: list[str] = field(default_factory=lambda: list(BASE_FIDELITIES))
@@ -138,15 +145,27 @@ def make_problem(args: Args, cache: Path, seed: int = 0, steps: int | None = Non
     return Problem(ev, precisions=args.precisions)
 
 
+ENUMERABLE = 1_000_000  # a space up to this size is listed and sampled without replacement
+
+
 def choose_policies(args: Args, problem: Problem) -> dict[str, dict[str, str]]:
     """``{name: {layer: precision}}``: uniform ones, a random subset, the extras."""
     layers = problem.layers()
-    space = list(itertools.product(*(problem.choices(n) for n in layers)))
+    options = [problem.choices(n) for n in layers]
     rng = random.Random(args.sample_seed)
-    uniform = [c for c in space if len(set(c)) == 1]
-    rest = [c for c in space if len(set(c)) > 1]
-    take = len(rest) if args.policies <= 0 else max(0, args.policies - len(uniform))
-    chosen = uniform + rng.sample(rest, min(take, len(rest)))
+    if math.prod(len(o) for o in options) <= ENUMERABLE:
+        space = list(itertools.product(*options))
+        uniform = [c for c in space if len(set(c)) == 1]
+        rest = [c for c in space if len(set(c)) > 1]
+        take = len(rest) if args.policies <= 0 else max(0, args.policies - len(uniform))
+        chosen = uniform + rng.sample(rest, min(take, len(rest)))
+    else:  # resnet18's 5^21: drawn, never listed
+        common = [p for p in options[0] if all(p in o for o in options)]
+        chosen = [(p,) * len(layers) for p in common]
+        while len(chosen) < args.policies:
+            combo = tuple(rng.choice(o) for o in options)
+            if len(set(combo)) > 1 and combo not in chosen:
+                chosen.append(combo)
     policies = {" ".join(c): dict(zip(layers, c, strict=True)) for c in chosen}
     if args.runnable_mixes:
         native = make_problem(
@@ -392,6 +411,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     problem = make_problem(args, cache)
     policies = choose_policies(args, problem)
     print(f"{len(policies)} policies of {args.model} on {args.dataset}", flush=True)
+    if args.fill_seed is not None:
+        for i, assignment in enumerate([{}, *policies.values()]):
+            full_run(args, problem, assignment, args.fill_seed, cache)
+            print(f"seed {args.fill_seed}: {i}/{len(policies)} policies", flush=True)
+        return {}
     truth = ground_truth(args, problem, policies, cache)
     truth_wall = statistics.fmean(truth[n]["wall_s"] for n in policies)
     signals, costs, left_out = {}, {}, {}

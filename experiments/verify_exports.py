@@ -38,6 +38,13 @@ class Args:
     )
     steps: int = field(default=500, metadata={"help": "steps per run (fp32's plateau)"})
     seeds: int = 3
+    lr: float = field(
+        default=0.05,
+        metadata={
+            "help": "SGD rate of every run (resnet50 learns at 0.003125, the rate its "
+            "warm start backs off to, not at 0.05)"
+        },
+    )
     image_size: int = 32
     dataset: str | None = None
     work_dir: Path = field(default=Path("runs/verify-exports"))
@@ -78,7 +85,11 @@ def main(argv: list[str] | None = None) -> None:
         policy = load_policy(path)
         size = None if model in ("tinycnn", "mlp") else args.image_size
         config = VerifyConfig(
-            steps=args.steps, seeds=tuple(range(args.seeds)), dataset=args.dataset, image_size=size
+            steps=args.steps,
+            seeds=tuple(range(args.seeds)),
+            dataset=args.dataset,
+            image_size=size,
+            lr=args.lr,
         )
         result = verify(policy, model, config)
         save_policy(policy.replace(verification=result.section()), path)  # as the CLI does
@@ -103,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
         provenance(invocation(__file__)),
         f"`autoprec verify` (arms fp32 and the target's AMP; {args.seeds} seeds, each "
         f"arm from the same fresh weights and batches per seed; {args.steps} steps at batch 32, "
-        "SGD lr 0.05, momentum 0.9, emulated on this CPU; image models at "
+        f"SGD lr {args.lr:g}, momentum 0.9, emulated on this CPU; image models at "
         f"{args.image_size}x{args.image_size}). Final loss: mean training loss of the last 10% "
         "of steps; loss delta relative to fp32's; verdict: within when the loss delta is at "
         "most the tolerance (0.05).",

@@ -348,6 +348,25 @@ def test_full_training_quick(tmp_path):
         assert image.format == "PNG" and image.size[0] > 100
 
 
+def test_full_training_draws_policies_of_a_space_too_large_to_list():
+    ft = _load_script("full_training")
+
+    class Problem:  # resnet18's shape of space: 21 layers, 5 choices each (5^21 policies)
+        def layers(self):
+            return [f"l{i}" for i in range(21)]
+
+        def choices(self, name):
+            return ["fp32", "tf32", "bf16", "fp16"] + (["fp8"] if name != "l20" else [])
+
+    args = ft.Args(model="resnet18", policies=12)
+    policies = ft.choose_policies(args, Problem())
+    assert len(policies) == 12 and len({tuple(p.values()) for p in policies.values()}) == 12
+    uniform = [p for p in policies.values() if len(set(p.values())) == 1]
+    assert sorted(next(iter(p.values())) for p in uniform) == ["bf16", "fp16", "fp32", "tf32"]
+    assert all(set(p) == set(Problem().layers()) for p in policies.values())
+    assert policies == ft.choose_policies(args, Problem())  # the same draw each time
+
+
 def test_verify_exports_quick(tmp_path):
     section = _section(
         _run(

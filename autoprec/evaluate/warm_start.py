@@ -222,8 +222,8 @@ class WarmStart:
                 "the fp32 warm start did not learn at "
                 + "; ".join(a.describe() for a in self.attempts[:-1])
                 + f"; trained at lr {self.attempts[-1].lr:g} instead ("
-                f"{self.attempts[-1].describe()}), and fine-tunes at the same fraction of "
-                "their rate",
+                f"{self.attempts[-1].describe()}); fine-tuning scales its rate by the same "
+                "factor",
                 stacklevel=3,
             )
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
