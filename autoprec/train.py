@@ -61,6 +61,7 @@ from autoprec.train_loop import LogFn, TrainLoop
 __all__ = [
     "CHECKPOINT_NAME",
     "CheckpointError",
+    "NONFINITE_STEPS",
     "PolicyMismatchError",
     "TrainConfigError",
     "TrainDivergedError",
@@ -79,8 +80,13 @@ class TrainConfigError(ValueError):
     """Training settings that cannot work (both steps and epochs, a batch larger than the data)."""
 
 
+# Steps in a row with an inf/NaN loss after which a run with loss scaling is diverged: the
+# scaler skips each, but a loss that overflows in the forward pass stays so at any scale.
+NONFINITE_STEPS = 20
+
+
 class TrainDivergedError(ValueError):
-    """The loss became inf/NaN with no loss scaler to skip the step."""
+    """The loss became inf/NaN with no loss scaler to skip the step, or stayed so."""
 
 
 class TrainInterrupted(KeyboardInterrupt):
@@ -204,7 +210,8 @@ def train(
             architecture, or holds precisions the device cannot run natively.
         TrainConfigError: inconsistent settings.
         CheckpointError: ``checkpoint_dir`` holds a checkpoint of another run.
-        TrainDivergedError: the loss became inf/NaN and no loss scaler skipped the step.
+        TrainDivergedError: the loss became inf/NaN and no loss scaler skipped the step, or it
+            was inf/NaN in :data:`NONFINITE_STEPS` steps in a row (all skipped).
         TrainInterrupted: ``stop()`` returned True before the last step.
     """
     start = time.perf_counter()
@@ -285,6 +292,7 @@ def train(
                 path, module, optimizer, scaler, step, config, history, val_history, overflows, dev
             )
 
+        nonfinite = 0  # steps in a row whose loss was inf/NaN
         while step < total:
             epoch = step // steps_per_epoch
             sampler.set_epoch(epoch)
@@ -302,12 +310,20 @@ def train(
                 loss = loop.step(dataset, micro[group_start : group_start + grad_accum])
                 step += 1
                 history.append(loss)
-                if not math.isfinite(loss) and not scaler.is_enabled():
+                nonfinite = 0 if math.isfinite(loss) else nonfinite + 1
+                kept = f"; {path} holds the last checkpoint" if path is not None else ""
+                if nonfinite and not scaler.is_enabled():
                     raise TrainDivergedError(
                         f"training diverged at step {step} (loss {loss}) without loss scaling; "
                         "lower the learning rate, or give the policy a loss_scaling section so "
-                        "that steps with inf/NaN gradients are skipped"
-                        + (f"; {path} holds the last checkpoint" if path is not None else "")
+                        "that steps with inf/NaN gradients are skipped" + kept
+                    )
+                if nonfinite >= NONFINITE_STEPS:  # every one skipped: nothing trains any more
+                    raise TrainDivergedError(
+                        f"training diverged: the loss was inf/NaN in {nonfinite} steps in a row "
+                        f"(steps {step - nonfinite + 1}-{step}), each skipped by the loss "
+                        "scaler; the forward pass overflows, which loss scaling cannot fix: "
+                        "keep the overflowing layers at a wider precision" + kept
                     )
                 loop.emit(
                     step,

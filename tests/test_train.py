@@ -17,9 +17,11 @@ from autoprec.data import load_dataset_for
 from autoprec.layers import tunable_layers
 from autoprec.policy import ModelInfo
 from autoprec.train import (
+    NONFINITE_STEPS,
     CheckpointError,
     PolicyMismatchError,
     TrainConfigError,
+    TrainDivergedError,
     train,
 )
 
@@ -69,6 +71,32 @@ def policy_file(tmp_path_factory) -> Path:
 
 def _cli(policy: Path, *extra: str) -> list[str]:
     return ["train", "--model", "tinycnn", "--dataset", "digits", "--policy", str(policy), *extra]
+
+
+def test_a_nonfinite_loss_without_scaling_is_a_clear_error(monkeypatch):
+    spec, data = _spec_and_data()
+    loss = spec.loss
+    monkeypatch.setattr(spec, "loss", lambda out, y: loss(out, y) * float("nan"))
+    with pytest.raises(TrainDivergedError, match="diverged at step 1 .* without loss scaling"):
+        train(spec, data, PrecisionPolicy(), steps=5, device="cpu")
+
+
+def test_a_loss_that_stays_nonfinite_under_loss_scaling_is_a_clear_error(monkeypatch):
+    # the scaler skips each step, but a forward pass that overflows stays so at any scale:
+    # the run stops instead of returning a NaN result
+    spec, data = _spec_and_data()
+    loss = spec.loss
+    calls = []
+
+    def overflowing(out, y):
+        calls.append(1)
+        return loss(out, y) * (float("inf") if len(calls) > 3 else 1.0)
+
+    monkeypatch.setattr(spec, "loss", overflowing)
+    policy = _tinycnn_policy(kind="dynamic")
+    with pytest.raises(TrainDivergedError, match=rf"in {NONFINITE_STEPS} steps in a row") as err:
+        train(spec, data, policy, steps=NONFINITE_STEPS + 10, device="cpu")
+    assert f"(steps 4-{NONFINITE_STEPS + 3})" in str(err.value) and "\n" not in str(err.value)
 
 
 # --- the command --------------------------------------------------------------------------------
