@@ -85,7 +85,9 @@ def main() -> None:
     result = [
         line.strip()
         for line in log.splitlines()
-        if line.startswith(("best policy", "better", "no policy", "same as AMP"))
+        if line.startswith(
+            ("autoprec: warning", "best policy", "better", "no policy", "same as AMP")
+        )
     ]
     policy_lines = describe_policy(work / "best_policy.yaml", args.model)
     body = "\n".join(
@@ -101,7 +103,7 @@ def main() -> None:
             "|---|---:|",
             *rows,
             "",
-            "Result lines of that run:",
+            "Warnings and result lines of that run:",
             "",
             "```",
             *result,
