@@ -164,7 +164,12 @@ def test_a_malformed_policy_file_is_one_line_and_exit_2(tmp_path, capsys):
     assert len(err.strip().splitlines()) == 1
 
 
-def test_search_verify_verifies_the_exported_policy(tmp_path, capsys):
+def test_search_verify_verifies_the_exported_policy(tmp_path, capsys, monkeypatch):
+    from autoprec.evaluate import Evaluator
+
+    # the verification trains at the rate the search's warm start learnt at (here: as if it
+    # had backed off to 0.04)
+    monkeypatch.setattr(Evaluator, "warm_start_lr", property(lambda self: 0.04))
     out = tmp_path / "best.yaml"
     args = ["search", "--model", "tinycnn", "--steps", "2", "--train-batch-size", "16"]
     rc = main([*args, "--agent", "random", "--budget", "2", "--verify", "--no-mlflow"])
@@ -174,6 +179,7 @@ def test_search_verify_verifies_the_exported_policy(tmp_path, capsys):
     assert "verification" in err.split("phases:")[1]  # the phases line (wrapped by rich)
     section = load_policy(tmp_path / "best_policy.yaml").verification
     assert section.steps == 50 and section.seeds == (0, 1) and section.dataset == "teacher"
+    assert section.lr == 0.04
     assert [a.name for a in section.arms] == ["policy", "fp32", "amp"]
     assert (tmp_path / "best_policy.curves.png").read_bytes().startswith(PNG)
     assert not out.exists()

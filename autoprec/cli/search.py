@@ -373,13 +373,16 @@ class _SearchRun:
         return metrics
 
     def _verify(self, policy_path: Path) -> None:
-        """``autoprec verify`` of the exported policy with the small defaults of ``--verify``."""
+        """``autoprec verify`` of the exported policy with the small defaults of ``--verify``,
+        at the rate the warm start learnt at (the configured one unless it backed off)."""
         from autoprec.cli.verify import run_verification
         from autoprec.verify import VerifyConfig
 
         o = self.o
-        shape = self.problem.evaluator.spec.input_shape  # the shape the search trained at
+        evaluator = self.problem.evaluator
+        shape = evaluator.spec.input_shape  # the shape the search trained at
         config = VerifyConfig(
+            lr=evaluator.warm_start_lr,  # a rate fp32 learns at from fresh weights
             steps=SEARCH_VERIFY_STEPS,
             seeds=tuple(range(o["seed"], o["seed"] + SEARCH_VERIFY_SEEDS)),
             tolerance=o["accuracy_tolerance"],

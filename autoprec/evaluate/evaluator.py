@@ -176,6 +176,12 @@ class Evaluator:
         return self._warm.state()
 
     @property
+    def warm_start_lr(self) -> float:
+        """The SGD rate the warm start learnt at: ``lr``, or a backed-off one (loads or trains
+        the warm start)."""
+        return self.config.lr * self._warm.lr_scale
+
+    @property
     def warm_start_trained(self) -> bool:
         """Whether this instance trained the warm start (False: loaded, or not needed yet)."""
         return self._warm.trained

@@ -264,7 +264,7 @@ def test_a_warm_start_that_does_not_learn_is_retried_at_a_lower_rate(spec, data,
     assert [a.lr for a in attempts] == [5.0, 1.25, 0.3125]
     assert [a.learned for a in attempts] == [False, False, True]
     assert attempts[0].diverged and attempts[-1].last_loss < attempts[-1].first_loss
-    assert ev._warm.lr_scale == 0.0625
+    assert ev._warm.lr_scale == 0.0625 and ev.warm_start_lr == 0.3125
     # the rate is saved with the weights: another evaluator loads both, trains nothing, and
     # fine-tunes at the same fraction of its own rate
     again = Evaluator(spec, data, TARGET, steps=6, warm_start_steps=30, lr=5.0)
