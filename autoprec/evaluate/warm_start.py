@@ -7,12 +7,13 @@ fine-tuning variant of one model (another batch order, another step count) start
 same weights.
 
 A warm start must learn, or every evaluation fine-tunes noise: a fixed SGD rate that trains one
-model diverges on another (torchvision's resnet50 at 32x32 starts with a gradient norm about 25
-times resnet18's, and at the default rate its loss climbs far above chance). A run whose loss
-turns non-finite or climbs past :data:`DIVERGED_FACTOR` times its first, or that ends no lower
-than it began, is retried from the same weights at a quarter of the rate, up to
-:data:`MAX_BACKOFFS` times; the rate that learnt is saved with the weights, and fine-tuning
-scales its own rate by the same factor. A model that learns at no rate is a one-line error.
+model diverges on another (torchvision's resnet50 at 32x32 starts with gradients many times
+resnet18's, and at the default rate its loss climbs far above chance). A run whose loss turns
+non-finite or climbs past :data:`DIVERGED_FACTOR` times its first, or that ends no lower than
+it began (judged on runs of at least two :data:`LOSS_WINDOW`), is retried from the same
+weights at a quarter of the rate, up to :data:`MAX_BACKOFFS` times; the rate that learnt is
+saved with the weights, and fine-tuning scales its own rate by the same factor. A model that
+learns at no rate is a one-line error.
 """
 
 from __future__ import annotations
@@ -60,8 +61,11 @@ class Attempt:
 
     @property
     def learned(self) -> bool:
-        """Finite, not diverged, and ended lower than it began."""
-        return not self.diverged and self.last_loss < self.first_loss
+        """Not diverged, and ended lower than it began (a run shorter than two windows, whose
+        last window overlaps its start, is only asked not to diverge)."""
+        if self.diverged:
+            return False
+        return self.steps < 2 * LOSS_WINDOW or self.last_loss < self.first_loss
 
     def describe(self) -> str:
         """``lr 0.05: loss 2.79 -> 37.6 (diverged at step 10)``."""
