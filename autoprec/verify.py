@@ -58,6 +58,11 @@ DEFAULT_ARMS = ("fp32", "amp")  # the reference arms: fp32, and the target's bla
 FINAL_WINDOW = 0.1  # the share of the last steps whose mean loss is a run's final loss
 
 
+# The policy file's provenance key holding the SGD rate the search's warm start learnt at:
+# `autoprec verify` trains at it unless given --lr (a rate at which fp32 learns the model).
+WARM_START_LR = "warm_start_lr"
+
+
 class VerifyError(ValueError):
     """Settings a verification cannot run with (no fp32 arm, an unknown arm, no target)."""
 

@@ -27,7 +27,7 @@ from typing import Any
 from benchlib import DOCS, invocation, md_table, parse_args, provenance, publish
 
 from autoprec.policy_io import load_policy, save_policy
-from autoprec.verify import VerifyConfig, verify
+from autoprec.verify import WARM_START_LR, VerifyConfig, verify
 
 
 @dataclass
@@ -38,11 +38,11 @@ class Args:
     )
     steps: int = field(default=500, metadata={"help": "steps per run (fp32's plateau)"})
     seeds: int = 3
-    lr: float = field(
-        default=0.05,
+    lr: float | None = field(
+        default=None,
         metadata={
-            "help": "SGD rate of every run (resnet50 learns at 0.003125, the rate its "
-            "warm start backs off to, not at 0.05)"
+            "help": "SGD rate of every run (default: the file's provenance.warm_start_lr, the "
+            "rate the search's warm start learnt at, as `autoprec verify`; else 0.05)"
         },
     )
     image_size: int = 32
@@ -79,7 +79,7 @@ def exported(args: Args, model: str) -> tuple[Path, str]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(Args, __doc__.splitlines()[0], argv)
-    rows, notes = [], []
+    rows, notes, rates = [], [], set()
     for model in args.models:
         path, made = exported(args, model)
         policy = load_policy(path)
@@ -89,9 +89,10 @@ def main(argv: list[str] | None = None) -> None:
             seeds=tuple(range(args.seeds)),
             dataset=args.dataset,
             image_size=size,
-            lr=args.lr,
+            lr=args.lr or float(policy.provenance.get(WARM_START_LR, VerifyConfig.lr)),
         )
         result = verify(policy, model, config)
+        rates.add(f"{config.lr:g}")
         save_policy(policy.replace(verification=result.section()), path)  # as the CLI does
         for arm in result.arms:
             is_policy = arm.arm == "policy"
@@ -114,7 +115,8 @@ def main(argv: list[str] | None = None) -> None:
         provenance(invocation(__file__)),
         f"`autoprec verify` (arms fp32 and the target's AMP; {args.seeds} seeds, each "
         f"arm from the same fresh weights and batches per seed; {args.steps} steps at batch 32, "
-        f"SGD lr {args.lr:g}, momentum 0.9, emulated on this CPU; image models at "
+        f"SGD lr {', '.join(sorted(rates))}, momentum 0.9, emulated on this CPU; image models "
+        "at "
         f"{args.image_size}x{args.image_size}). Final loss: mean training loss of the last 10% "
         "of steps; loss delta relative to fp32's; verdict: within when the loss delta is at "
         "most the tolerance (0.05).",

@@ -37,6 +37,7 @@ from autoprec.cli.search_export import Exporter, SearchExportError
 from autoprec.cli.search_progress import Progress, console
 from autoprec.cli.verify import SEARCH_VERIFY_SEEDS, SEARCH_VERIFY_STEPS
 from autoprec.evaluate.reward import DEFAULT_TOLERANCE, DEFAULT_WEIGHTS
+from autoprec.verify import WARM_START_LR
 
 DEFAULT_STORAGE = "sqlite:///autoprec-search.db"
 __all__ = ["AGENT_NAMES", "DEFAULT_STORAGE", "SearchExportError", "SearchSetupError", "search"]
@@ -427,6 +428,7 @@ class _SearchRun:
                 "seed": str(o["seed"]),
                 "budget": str(o["budget"]),
                 "interrupted": str(interrupted).lower(),
+                WARM_START_LR: f"{self.problem.evaluator.warm_start_lr:g}",
                 **self._run_provenance(),
             }
         )

@@ -26,7 +26,7 @@ from autoprec.cli._setup import file_option, model_shape_options
 from autoprec.cli.mlflow_options import experiment_option, no_mlflow_option, tracking_uri_option
 from autoprec.evaluate.reward import DEFAULT_TOLERANCE
 from autoprec.policy_fields import TARGET_MODES
-from autoprec.verify import DEFAULT_ARMS, VerifyConfig, VerifyError
+from autoprec.verify import DEFAULT_ARMS, WARM_START_LR, VerifyConfig, VerifyError
 
 #: ``autoprec search --verify``: the steps and seeds (from ``--seed``) of its verification.
 SEARCH_VERIFY_STEPS = 50
@@ -50,7 +50,13 @@ SEARCH_VERIFY_SEEDS = 2
     "or precision names for uniform policies.",
 )
 @click.option("--batch-size", type=int, default=32, show_default=True)
-@click.option("--lr", type=float, default=0.05, show_default=True)
+@click.option(
+    "--lr",
+    type=float,
+    default=None,
+    help="SGD rate of every run (default: the rate the search's warm start learnt at, from the "
+    "file's provenance, else 0.05).",
+)
 @click.option("--momentum", type=float, default=0.9, show_default=True)
 @click.option(
     "--tolerance",
@@ -79,7 +85,7 @@ SEARCH_VERIFY_SEEDS = 2
 def verify(policy_file: str, **o: Any) -> int:
     """Train POLICY_FILE's policy and the reference arms from scratch and write the verdict."""
     names = {f.name for f in dataclasses.fields(VerifyConfig)} - {"seeds", "arms"}
-    given = {name: o[name] for name in names & set(o)}
+    given = {name: o[name] for name in names & set(o) if o[name] is not None or name != "lr"}
     config = VerifyConfig(
         **given,
         seeds=tuple(range(o["seed"], o["seed"] + max(o["seeds"], 0))),
@@ -93,6 +99,7 @@ def verify(policy_file: str, **o: Any) -> int:
         plot=o["plot"],
         target=o["target"],
         checkpoint=o["checkpoint"],
+        rate_from_policy=o["lr"] is None,
         tracking={
             "enabled": not o["no_mlflow"],
             "uri": o["tracking_uri"],
@@ -111,13 +118,16 @@ def run_verification(
     plot: str | Path | None = None,
     target: str | None = None,
     checkpoint: str | None = None,
+    rate_from_policy: bool = False,
     tracking: Mapping[str, Any] | None = None,
     echo: Callable[[str], Any] = click.echo,
 ) -> Any:
     """Check the inputs and outputs, verify, write the plot and the policy, print the table.
 
-    ``tracking``: ``enabled``, ``uri`` and ``experiment`` (None: ``autoprec/<model>``). Used by
-    ``autoprec verify`` and ``autoprec search --verify``; returns the ``VerifyResult``.
+    ``rate_from_policy``: train at the policy's ``provenance.warm_start_lr`` (the rate the
+    search's warm start learnt at) when it has one, instead of ``config.lr``. ``tracking``:
+    ``enabled``, ``uri`` and ``experiment`` (None: ``autoprec/<model>``). Used by ``autoprec
+    verify`` and ``autoprec search --verify``; returns the ``VerifyResult``.
     """
     from autoprec.cli._setup import check_writable, resolve_target
     from autoprec.hardware import get_device
@@ -139,6 +149,14 @@ def run_verification(
             f"{policy_file} was made for model {made_for!r}, not {spec.name!r}; verify it with "
             f"--model {made_for}"
         )
+    searched_rate = policy.provenance.get(WARM_START_LR)
+    if rate_from_policy and searched_rate is not None:
+        try:
+            config = dataclasses.replace(config, lr=float(searched_rate))
+        except ValueError:
+            raise VerifyError(
+                f"{policy_file}: provenance.{WARM_START_LR} must be a number, got {searched_rate!r}"
+            ) from None
     report = policy.validate(spec.module)
     if not report.ok:
         raise VerifyError(f"{policy_file} does not fit {spec.name}: {'; '.join(report.problems)}")
@@ -150,7 +168,8 @@ def run_verification(
     shown = f"{length['steps']} steps" if "steps" in length else f"{length['epochs']} epoch(s)"
     echo(
         f"verifying {policy_file} on {spec.name}: policy, {', '.join(config.arms)} x "
-        f"{len(config.seeds)} seeds, {shown}, batch {config.batch_size}, AMP of {device.name}"
+        f"{len(config.seeds)} seeds, {shown}, batch {config.batch_size}, lr {config.lr:g}, AMP "
+        f"of {device.name}"
     )
     tracking = dict(tracking or {"enabled": False})
     tracker = VerifyTracker(
