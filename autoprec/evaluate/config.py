@@ -18,6 +18,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from autoprec.pretrain import BACKOFF_SETTINGS
+
 FIDELITIES = ("short", "full", "surrogate")
 SHORT_STEPS = 10
 FULL_STEPS = 30
@@ -34,11 +36,6 @@ REPLICATE_SEED_STRIDE = 10_000  # replicate r of seed s fine-tunes on batches of
 # (tf32, fp16) stay close to fp32 (experiments/study_short_fidelity.py, docs/benchmarks.md).
 FINETUNE_LR = 0.01
 FINETUNE_MOMENTUM = 0.0
-# A warm start that does not learn is retried at a lower rate (autoprec.evaluate.warm_start):
-LR_BACKOFF = 4.0  # each retry trains at the previous rate / LR_BACKOFF
-MAX_BACKOFFS = 3  # retries before the warm start is an error (0.05 -> 0.00078 at most)
-DIVERGED_FACTOR = 3.0  # a windowed mean loss this many times the first loss: diverged, stop
-LOSS_WINDOW = 10  # steps of that windowed mean, and of the last loss compared with the first
 
 
 def digest(obj: Any) -> str:
@@ -144,7 +141,7 @@ class EvaluatorConfig:
             "steps": self.warm_start_steps,
             "lr": self.lr,
             "batch_size": self.batch_size,
-            "backoff": [LR_BACKOFF, MAX_BACKOFFS, DIVERGED_FACTOR, LOSS_WINDOW],
+            "backoff": BACKOFF_SETTINGS,
         }
 
     def canonical(self) -> dict[str, Any]:

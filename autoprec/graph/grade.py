@@ -30,6 +30,7 @@ import itertools
 import json
 import math
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -42,6 +43,7 @@ from autoprec.cache import cache_dir, read_entry, write_entry
 from autoprec.kernels import ScaledCast, quantize
 from autoprec.layers import model_fingerprint, tunable_layers
 from autoprec.precision import Precision, parse_precision
+from autoprec.pretrain import BACKOFF_SETTINGS, backoff_note, train_fp32
 from autoprec.runtime import GuardConfig, apply_policy
 
 METHODS = ("taylor", "sweep")
@@ -171,17 +173,24 @@ def _loss_and_grad(model: nn.Module, spec: Any, x, y) -> tuple[float, torch.Tens
 
 def _warm_start(
     model: nn.Module, spec: Any, data: Any, steps: int, lr: float, batch: int, seed: int
-):
+) -> None:
+    """``steps`` fp32 SGD steps at ``lr``, backed off to a rate at which the model learns
+    (:func:`autoprec.pretrain.train_fp32`; when none does, the last attempt's weights, with a
+    warning: the sensitivities are then of a model that did not learn)."""
     if steps <= 0:
         return
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    model.train()
-    loader = itertools.cycle(data.loader("train", batch_size=batch, shuffle=True, seed=seed))
-    for _ in range(steps):
-        x, y = next(loader)
-        opt.zero_grad(set_to_none=True)
-        spec.loss(model(x), y).backward()
-        opt.step()
+    attempts = train_fp32(
+        model,
+        spec.loss,
+        lambda: data.loader("train", batch_size=batch, shuffle=True, seed=seed),
+        steps,
+        lr,
+        seed,
+        strict=False,
+    )
+    note = backoff_note(f"the {steps}-step fp32 training before the sensitivities", attempts)
+    if note is not None:
+        warnings.warn(note, stacklevel=3)
 
 
 def _measurement_mode(model: nn.Module) -> None:
@@ -362,6 +371,8 @@ def sensitivity(
         "lr": lr,
         "seed": seed,
     }
+    if train_steps > 0:
+        settings["backoff"] = BACKOFF_SETTINGS
     if initial_state is not None:
         if cache and not initial_state_key:
             raise ValueError("initial_state needs an initial_state_key when cache=True")

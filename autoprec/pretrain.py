@@ -1,0 +1,146 @@
+"""fp32 SGD training from fresh weights that backs off until it learns.
+
+Both fp32 pre-trainings of autoprec use it: the evaluator's warm start (every evaluation
+fine-tunes from it) and the few steps before ``autoprec analyze`` measures sensitivities. A
+fixed SGD rate that trains one model diverges on another (torchvision's resnet50 at 32x32
+starts with gradients many times resnet18's, and at 0.05 with momentum 0.9 its loss climbs far
+above chance), and a model that did not learn makes every later measurement one of noise. A run
+whose windowed loss (:data:`LOSS_WINDOW` steps) turns non-finite or climbs past
+:data:`DIVERGED_FACTOR` times its first loss is stopped, as is one that ends no lower than it
+began (judged on runs of at least two windows); it is retried from the same weights at
+``1 / LR_BACKOFF`` of the rate, up to :data:`MAX_BACKOFFS` times. Models that learn at the
+given rate train exactly as a plain loop would.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+LR_BACKOFF = 4.0  # each retry trains at the previous rate / LR_BACKOFF
+MAX_BACKOFFS = 3  # retries before giving up (0.05 -> 0.00078 at most)
+DIVERGED_FACTOR = 3.0  # a windowed mean loss this many times the first loss: diverged, stop
+LOSS_WINDOW = 10  # steps of that windowed mean, and of the last loss compared with the first
+BACKOFF_SETTINGS = [LR_BACKOFF, MAX_BACKOFFS, DIVERGED_FACTOR, LOSS_WINDOW]  # for cache keys
+
+
+class WarmStartError(ValueError):
+    """fp32 training learnt at no learning rate tried."""
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One fp32 training attempt: its rate, first loss, last windowed loss and verdict."""
+
+    lr: float
+    first_loss: float
+    last_loss: float
+    steps: int
+    diverged: bool
+
+    @property
+    def learned(self) -> bool:
+        """Not diverged, and ended lower than it began (a run shorter than two windows, whose
+        last window overlaps its start, is only asked not to diverge)."""
+        if self.diverged:
+            return False
+        return self.steps < 2 * LOSS_WINDOW or self.last_loss < self.first_loss
+
+    def describe(self) -> str:
+        """``lr 0.05: loss 2.79 -> 37.6 (diverged at step 10)``."""
+        how = f" (diverged at step {self.steps})" if self.diverged else ""
+        return f"lr {self.lr:g}: loss {self.first_loss:.3g} -> {self.last_loss:.3g}{how}"
+
+
+def train_fp32(
+    model: nn.Module,
+    loss: Callable[[Any, Any], torch.Tensor],
+    batches: Callable[[], Iterable[Any]],
+    steps: int,
+    lr: float,
+    seed: int,
+    momentum: float = 0.9,
+    strict: bool = True,
+    what: str = "fp32 training",
+) -> list[Attempt]:
+    """Train ``model`` in place for ``steps`` fp32 SGD steps at ``lr``, backing off until it
+    learns (see the module's docstring).
+
+    Args:
+        batches: a fresh iterator of ``(x, y)`` batches (called once per attempt).
+        seed: ``torch.manual_seed`` before each attempt (so the first attempt is exactly the
+            plain loop's, and each retry is reproducible).
+
+        strict: raise when no rate learns (else return, the last attempt's weights kept).
+        what: what is trained, as the error names it.
+
+    Returns:
+        Every attempt; the last one's weights are in ``model`` (it learnt, unless ``strict`` is
+        False and none did).
+
+    Raises:
+        WarmStartError: ``strict`` and no rate down to ``lr / LR_BACKOFF**MAX_BACKOFFS`` learnt.
+    """
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    attempts: list[Attempt] = []
+    for retry in range(MAX_BACKOFFS + 1):
+        rate = lr / LR_BACKOFF**retry
+        if retry:
+            model.load_state_dict(initial)
+        torch.manual_seed(seed)
+        attempts.append(_attempt(model, loss, batches(), steps, rate, momentum))
+        if steps <= 0 or attempts[-1].learned:
+            return attempts
+    if not strict:
+        return attempts
+    raise WarmStartError(
+        f"{what} learnt at no learning rate tried ("
+        + "; ".join(a.describe() for a in attempts)
+        + "): the model does not train on this data at these settings"
+    )
+
+
+def _attempt(
+    model: nn.Module,
+    loss: Callable[[Any, Any], torch.Tensor],
+    batches: Iterable[Any],
+    steps: int,
+    lr: float,
+    momentum: float,
+) -> Attempt:
+    """One run of at most ``steps`` steps, stopped as soon as it diverges."""
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    losses: list[float] = []
+    for x, y in itertools.islice(itertools.cycle(batches), steps):
+        opt.zero_grad(set_to_none=True)
+        value = loss(model(x), y)
+        value.backward()
+        opt.step()
+        losses.append(float(value.detach()))
+        window = statistics.fmean(losses[-LOSS_WINDOW:])
+        if not math.isfinite(window) or window > DIVERGED_FACTOR * losses[0]:
+            return Attempt(lr, losses[0], window, len(losses), diverged=True)
+    if not losses:
+        return Attempt(lr, math.nan, math.nan, 0, diverged=False)
+    return Attempt(lr, losses[0], statistics.fmean(losses[-LOSS_WINDOW:]), steps, False)
+
+
+def backoff_note(what: str, attempts: list[Attempt]) -> str | None:
+    """The one line that says ``what`` backed off (None when the first rate learnt)."""
+    if len(attempts) < 2:
+        return None
+    failed = "; ".join(a.describe() for a in attempts[:-1])
+    last = attempts[-1]
+    if not last.learned:
+        return f"{what} learnt at no rate tried ({failed}; {last.describe()}); kept the last"
+    return (
+        f"{what} did not learn at {failed}; trained at lr {last.lr:g} instead ({last.describe()})"
+    )
