@@ -19,10 +19,11 @@ import math
 import statistics
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
+if TYPE_CHECKING:  # pragma: no cover - torch is imported where training runs
+    import torch
+    from torch import nn
 
 LR_BACKOFF = 4.0  # each retry trains at the previous rate / LR_BACKOFF
 MAX_BACKOFFS = 3  # retries before giving up (0.05 -> 0.00078 at most)
@@ -88,6 +89,8 @@ def train_fp32(
     Raises:
         WarmStartError: ``strict`` and no rate down to ``lr / LR_BACKOFF**MAX_BACKOFFS`` learnt.
     """
+    import torch
+
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
     attempts: list[Attempt] = []
     for retry in range(MAX_BACKOFFS + 1):
@@ -116,6 +119,8 @@ def _attempt(
     momentum: float,
 ) -> Attempt:
     """One run of at most ``steps`` steps, stopped as soon as it diverges."""
+    import torch
+
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     losses: list[float] = []

@@ -33,6 +33,7 @@ from autoprec.evaluate.reward import DEFAULT_TOLERANCE
 from autoprec.evaluate.scoring import relative_loss_delta
 from autoprec.models import load_model
 from autoprec.policy_io import load_policy
+from autoprec.train import TrainDivergedError
 from autoprec.verify import VerifyConfig, run_arm
 
 TRAIN_STEPS = 150
@@ -60,7 +61,10 @@ def _trainer(trap: Trap) -> Callable[[dict[str, str]], float]:
 
     def loss(assignment: dict[str, str]) -> float:
         spec = load_model(trap.model, seed=0)
-        return run_arm(spec, data, "arm", layer_policy(assignment), 0, config).final_loss
+        try:
+            return run_arm(spec, data, "arm", layer_policy(assignment), 0, config).final_loss
+        except TrainDivergedError:  # every step's loss inf/NaN, each skipped by the scaler
+            return math.nan
 
     return loss
 
