@@ -185,9 +185,7 @@ class _OptunaAgent(Agent):
                     with heartbeat(storage, trial):
                         result = session.evaluate(policy, notify=False, **attrs)
                     evaluating = False
-                    for key, value in user_attrs(result).items():
-                        trial.set_user_attr(key, value)
-                    tell(study, trial, self.values(result))
+                    tell(study, trial, self.values(result), user_attrs(result))
                 except BaseException:
                     frozen = study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
                     if evaluating and frozen.state == TrialState.FAIL:

@@ -232,12 +232,17 @@ def heartbeat(storage: Any, trial: Any) -> Iterator[None]:
         thread.join()
 
 
-def tell(study: Any, trial: Any, values: list[float]) -> None:
-    """``study.tell``; a trial another worker has failed meanwhile (its heartbeat was late)
-    keeps its result in this search and in the evaluator's cache, where its retry finds it."""
+def tell(
+    study: Any, trial: Any, values: list[float], attrs: Mapping[str, Any] | None = None
+) -> None:
+    """Set ``attrs`` as the trial's user attrs, then ``study.tell``; a trial another worker has
+    failed meanwhile (its heartbeat was late) keeps its result in this search and in the
+    evaluator's cache, where its retry finds it."""
     import optuna
 
     try:
+        for key, value in (attrs or {}).items():
+            trial.set_user_attr(key, value)
         study.tell(trial, values)
     except optuna.exceptions.UpdateFinishedTrialError:
         warnings.warn(

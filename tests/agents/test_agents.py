@@ -362,6 +362,24 @@ def test_two_processes_share_one_study_and_its_budget(tmp_path):
     assert max(r["real"] for r in reports) == budget, reports  # the last to end saw them all
 
 
+def test_a_trial_failed_by_another_worker_keeps_its_result_without_an_error(tmp_path):
+    """A worker starved past the heartbeat's grace period finds its trial failed by the other
+    worker when it comes to record the result: a warning, not a crash (the user attrs too)."""
+    import optuna
+
+    from autoprec.agents.optuna_study import tell
+
+    storage = f"sqlite:///{tmp_path / 'shared.db'}"
+    mine = optuna.create_study(study_name="w", storage=storage)
+    trial = mine.ask({"x": optuna.distributions.FloatDistribution(0, 1)})
+    other = optuna.load_study(study_name="w", storage=storage)
+    other.tell(trial.number, state=optuna.trial.TrialState.FAIL)  # stale, as the other saw it
+    with pytest.warns(UserWarning, match=f"trial {trial.number} was failed by another worker"):
+        tell(mine, trial, [1.0], {"reward": 1.0, "fidelity": "short"})
+    (stored,) = other.get_trials()
+    assert stored.state == optuna.trial.TrialState.FAIL and "reward" not in stored.user_attrs
+
+
 def test_nsga2_with_a_multi_objective_tpe_sampler(make_problem):
     problem = make_problem()
     result = search(problem, budget=5, agent="nsga2", sampler="tpe")
