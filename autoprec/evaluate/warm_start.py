@@ -30,6 +30,7 @@ from autoprec.pretrain import Attempt, WarmStartError, backoff_note, train_fp32
 __all__ = ["Attempt", "WarmStart", "WarmStartError", "weights_digest"]
 
 LR_KEY = "autoprec.warm_start_lr"  # the rate that learnt, saved with the weights
+WHAT = "the fp32 warm start"  # as its error and its back-off warning name it
 
 
 def weights_digest(module: nn.Module) -> str:
@@ -113,9 +114,9 @@ class WarmStart:
             cfg.warm_start_steps,
             cfg.lr,
             cfg.seed,
-            what="the fp32 warm start",
+            what=WHAT,
         )
-        note = backoff_note("the fp32 warm start", self.attempts)
+        note = backoff_note(WHAT, self.attempts)
         if note is not None:
             warnings.warn(note + "; fine-tuning scales its rate by the same factor", stacklevel=3)
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
