@@ -9,9 +9,15 @@ A layer's *precision* names what its matrix work uses; master weights always sta
 | bf16      | bf16             | bf16                       | no     |
 | fp16      | fp16             | fp16                       | no (loss scaling guards it) |
 | fp8       | fp8_e4m3         | fp8_e5m2                   | yes, per tensor (current)  |
+| fp8_rowwise | fp8_e4m3       | fp8_e4m3                   | yes, per row, powers of two |
+| fp8_rowwise_gw_hp | fp8_e4m3 | fp8_e4m3 (input gradient); weight gradient unrounded | yes |
 
-fp8 is torchao's float8 training recipe (tensorwise): each operand is scaled from its own
-current amax, as ``torchao.float8.Float8Linear`` does natively and the emulate mode reproduces.
+The fp8 precisions are torchao's float8 training recipes (``Float8LinearConfig.from_recipe_name``):
+``fp8`` is ``tensorwise`` (each operand scaled from its own current amax), ``fp8_rowwise`` is
+``rowwise`` and ``fp8_rowwise_gw_hp`` is ``rowwise_with_gw_hp``. :data:`FLOAT8_RECIPES` spells
+out, per recipe, how each operand of each of a Linear's three GEMMs is cast; torchao's
+``Float8Linear`` runs it natively and the emulate mode reproduces it. The recipes differ in
+software, not in hardware: all of them run on the fp8 tensor cores (:attr:`Precision.hardware`).
 """
 
 from __future__ import annotations
@@ -74,6 +80,58 @@ FORMAT_FACTS: Mapping[str, FormatFacts] = MappingProxyType(
 )
 
 
+#: The formats tensor cores compute in, as the device database names them (widest first).
+HARDWARE_PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "fp8")
+
+
+@dataclass(frozen=True)
+class OperandCast:
+    """How one operand of one GEMM is cast: to ``fmt`` (None: kept in high precision) with one
+    scale per tensor (``axis`` None) or one per slice along the other axis, the amax reduced
+    over ``axis`` of the operand as stored: the input ``(M, K)``, the weight ``(N, K)``, the
+    output gradient ``(M, N)`` (M: tokens, K: input features, N: output features)."""
+
+    fmt: str | None
+    axis: int | None = None
+
+
+_HP = OperandCast(None)
+
+
+@dataclass(frozen=True)
+class Float8Recipe:
+    """torchao's casts of a ``Float8Linear``'s three GEMMs under one recipe.
+
+    Attributes:
+        name: torchao's recipe name (``Float8LinearRecipeName``).
+        output: (input, weight) of ``output = input @ weight.T``.
+        grad_input: (output gradient, weight) of ``grad_input = grad_output @ weight``.
+        grad_weight: (output gradient, input) of ``grad_weight = grad_output.T @ input``.
+        power_of_two: scales rounded down to powers of two (``round_scales_to_power_of_2``).
+    """
+
+    name: str
+    output: tuple[OperandCast, OperandCast]
+    grad_input: tuple[OperandCast, OperandCast]
+    grad_weight: tuple[OperandCast, OperandCast]
+    power_of_two: bool
+
+    def gemms(self) -> dict[str, tuple[OperandCast, OperandCast]]:
+        """``{"output" | "grad_input" | "grad_weight": (operand casts)}``."""
+        return {
+            "output": self.output,
+            "grad_input": self.grad_input,
+            "grad_weight": self.grad_weight,
+        }
+
+    def low(self, gemm: str) -> bool:
+        """Whether ``gemm`` runs in fp8 (torchao: both operands or neither)."""
+        return self.gemms()[gemm][0].fmt is not None
+
+
+_E4M3, _E5M2 = "fp8_e4m3", "fp8_e5m2"
+
+
 class Precision(str, Enum):
     """A layer precision; compares equal to its string value (``Precision.BF16 == "bf16"``)."""
 
@@ -82,6 +140,8 @@ class Precision(str, Enum):
     BF16 = "bf16"
     FP16 = "fp16"
     FP8 = "fp8"
+    FP8_ROWWISE = "fp8_rowwise"
+    FP8_ROWWISE_GW_HP = "fp8_rowwise_gw_hp"
 
     def __str__(self) -> str:
         return self.value
@@ -89,12 +149,37 @@ class Precision(str, Enum):
     @property
     def forward_format(self) -> str:
         """Format of the layer's operands (input and weight) in forward."""
-        return "fp8_e4m3" if self is Precision.FP8 else self.value
+        return _E4M3 if self.is_fp8 else self.value
 
     @property
     def backward_format(self) -> str:
-        """Format of the gradient with respect to the layer's output in backward."""
-        return "fp8_e5m2" if self is Precision.FP8 else self.value
+        """Format of the gradient with respect to the layer's output in backward (for the input
+        gradient's GEMM, where a recipe casts it differently per GEMM)."""
+        if self.is_fp8:
+            return self.recipe.grad_input[0].fmt or _E4M3
+        return self.value
+
+    @property
+    def is_fp8(self) -> bool:
+        """Whether this is one of torchao's float8 training recipes."""
+        return self.value.startswith("fp8")
+
+    @property
+    def recipe(self) -> Float8Recipe:
+        """The float8 recipe of an fp8 precision.
+
+        Raises:
+            ValueError: not an fp8 precision.
+        """
+        if not self.is_fp8:
+            raise ValueError(f"{self.value} is not an fp8 recipe; expected one of {FP8_NAMES}")
+        return FLOAT8_RECIPES[self]
+
+    @property
+    def hardware(self) -> str:
+        """The tensor-core format this precision computes in (one of
+        :data:`HARDWARE_PRECISIONS`): every fp8 recipe is ``"fp8"``."""
+        return "fp8" if self.is_fp8 else self.value
 
     @property
     def bits(self) -> int:
@@ -108,8 +193,8 @@ class Precision(str, Enum):
 
     @property
     def scaled(self) -> bool:
-        """Whether casts use per-tensor scaling (from the current amax, as torchao's)."""
-        return self is Precision.FP8
+        """Whether casts are scaled (from the current amax, as torchao's), per tensor or per row."""
+        return self.is_fp8
 
     @property
     def width(self) -> int:
@@ -117,18 +202,63 @@ class Precision(str, Enum):
         return _ORDER.index(self)
 
     def wider(self) -> Precision | None:
-        """The next wider precision (fp8 -> fp16 -> bf16 -> tf32 -> fp32), None for fp32.
+        """The next wider format (any fp8 recipe -> fp16 -> bf16 -> tf32 -> fp32), None for fp32.
 
         fp16 widens to bf16 for its range (the usual fix for fp16 overflow), bf16 to tf32 for
-        its mantissa.
+        its mantissa. The fp8 recipes share one format (e4m3), so none is wider than another:
+        each widens to fp16, although :attr:`width` ranks them (tensorwise, rowwise, rowwise
+        with a high-precision weight gradient: the more precise, the wider).
         """
+        if self.is_fp8:
+            return Precision.FP16
         i = self.width
         return _ORDER[i + 1] if i + 1 < len(_ORDER) else None
 
 
-_ORDER = [Precision.FP8, Precision.FP16, Precision.BF16, Precision.TF32, Precision.FP32]
+_ORDER = [
+    Precision.FP8,
+    Precision.FP8_ROWWISE,
+    Precision.FP8_ROWWISE_GW_HP,
+    Precision.FP16,
+    Precision.BF16,
+    Precision.TF32,
+    Precision.FP32,
+]
 
 PRECISION_NAMES = tuple(p.value for p in Precision)
+FP8_NAMES = tuple(p.value for p in Precision if p.is_fp8)
+
+#: torchao's recipes, operand by operand (``torchao.float8.config.Float8LinearConfig
+#: .from_recipe_name``): tensorwise keeps one scale per tensor and e5m2 gradients; rowwise
+#: scales each operand along the GEMM's reduction dimension (so the same tensor is cast twice,
+#: along different axes, for its two GEMMs), e4m3 throughout, power-of-two scales; rowwise with
+#: a high-precision weight gradient casts the weight per tensor for the input gradient and
+#: leaves the weight gradient's GEMM unrounded.
+FLOAT8_RECIPES: Mapping[Precision, Float8Recipe] = MappingProxyType(
+    {
+        Precision.FP8: Float8Recipe(
+            "tensorwise",
+            output=(OperandCast(_E4M3), OperandCast(_E4M3)),
+            grad_input=(OperandCast(_E5M2), OperandCast(_E4M3)),
+            grad_weight=(OperandCast(_E5M2), OperandCast(_E4M3)),
+            power_of_two=False,
+        ),
+        Precision.FP8_ROWWISE: Float8Recipe(
+            "rowwise",
+            output=(OperandCast(_E4M3, 1), OperandCast(_E4M3, 1)),
+            grad_input=(OperandCast(_E4M3, 1), OperandCast(_E4M3, 0)),
+            grad_weight=(OperandCast(_E4M3, 0), OperandCast(_E4M3, 0)),
+            power_of_two=True,
+        ),
+        Precision.FP8_ROWWISE_GW_HP: Float8Recipe(
+            "rowwise_with_gw_hp",
+            output=(OperandCast(_E4M3, 1), OperandCast(_E4M3, 1)),
+            grad_input=(OperandCast(_E4M3, 1), OperandCast(_E4M3)),
+            grad_weight=(_HP, _HP),
+            power_of_two=True,
+        ),
+    }
+)
 
 
 def parse_precision(value: object) -> Precision:

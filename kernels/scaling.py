@@ -255,11 +255,17 @@ class DynamicScaledCast(_Counts):
     below one step, so in practice never). Underflows count non-zero values that became zero:
     with current scaling, those more than the format's dynamic range below the tensor's amax.
 
+    With ``axis`` set, the granularity is torchao's ``AXISWISE``: one scale per slice, the amax
+    reduced over ``axis`` (``amax(|x|, dim=axis, keepdim=True)``, so ``scale`` broadcasts
+    against ``data``), as the rowwise recipes cast each GEMM operand along its reduction
+    dimension.
+
     Args:
         fmt: target format, ``"fp8_e4m3"`` (forward operands) or ``"fp8_e5m2"`` (gradients).
         power_of_two: round the scale down to a power of two, so scaling itself is exact.
         rounding: ``"nearest"`` (torch's cast) or ``"stochastic"``.
         count: keep the overflow/underflow counters (two reductions per call).
+        axis: None for one scale per tensor, else the dimension the amax is reduced over.
 
     Example:
         >>> cast = DynamicScaledCast("fp8_e4m3")
@@ -274,9 +280,11 @@ class DynamicScaledCast(_Counts):
         power_of_two: bool = False,
         rounding: str = "nearest",
         count: bool = True,
+        axis: int | None = None,
     ) -> None:
         self.fmt = get_format(fmt)
         check_rounding(rounding)
+        self.axis = axis
         self.power_of_two = power_of_two
         self.rounding = rounding
         self.count = count
@@ -291,7 +299,12 @@ class DynamicScaledCast(_Counts):
     def __call__(self, x: Tensor, generator: torch.Generator | None = None) -> ScaledTensor:
         """Scale ``x`` by its own amax, cast it with saturation, count what was lost."""
         x32 = x.detach().float()
-        amax = x32.abs().amax() if x32.numel() else torch.zeros((), device=x32.device)
+        if self.axis is not None:
+            amax = x32.abs().amax(dim=self.axis, keepdim=True)
+        elif x32.numel():
+            amax = x32.abs().amax()
+        else:
+            amax = torch.zeros((), device=x32.device)
         scale = amax_to_scale(amax, self.fmt, self.power_of_two)
         limit = self.fmt.max_finite
         scaled = x32 * scale
@@ -312,5 +325,5 @@ class DynamicScaledCast(_Counts):
     def __repr__(self) -> str:
         return (
             f"DynamicScaledCast(fmt={self.fmt.name!r}, power_of_two={self.power_of_two}, "
-            f"rounding={self.rounding!r})"
+            f"rounding={self.rounding!r}, axis={self.axis})"
         )

@@ -115,9 +115,16 @@ class SensitivityTable:
         )
 
     def entry(self, layer: str, precision: Precision | str) -> Sensitivity | None:
-        """One layer at one precision, or None when the table did not grade that pair."""
+        """One layer at one precision, or None when the table did not grade that pair.
+
+        An fp8 recipe the table did not grade reads as tensorwise fp8's entry: the same e4m3
+        operands with one scale per tensor, which per-row scales (and a high-precision weight
+        gradient) can only improve on, so the grade is an upper bound on its damage.
+        """
         i = self._rows().get(layer)
         j = self._columns().get(str(precision))
+        if j is None and parse_precision(precision).is_fp8:
+            j = self._columns().get("fp8")
         if i is None or j is None:
             return None
         return Sensitivity(self.loss_delta[i][j], self.grad_cosine[i][j])

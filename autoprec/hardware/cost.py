@@ -87,7 +87,8 @@ from typing import TYPE_CHECKING, Any
 
 from autoprec.hardware.database import DeviceSpec, get_device
 from autoprec.hardware.efficiency import CostModelError, Efficiency, default_efficiency
-from autoprec.hardware.program import Program, program
+from autoprec.hardware.factors import ROWWISE_GEMM_EFFICIENCY
+from autoprec.hardware.program import Program, program, region_of
 from autoprec.precision import FORMAT_FACTS, PRECISION_NAMES, Precision, parse_precision
 
 if TYPE_CHECKING:
@@ -206,27 +207,48 @@ class CostModel:
         scale: float = 1.0,
         *,
         rate: float | None = None,
+        high: str = "bf16",
     ) -> LayerCost:
         """Forward and backward seconds of one layer's matrix work.
+
+        An fp8 recipe that keeps a GEMM in high precision (``rowwise_with_gw_hp``'s weight
+        gradient, half of the backward FLOPs) runs that GEMM at ``high``'s rate: the dtype of
+        the layer's activations (the policy's autocast region, else fp32).
 
         Args:
             row: the layer's row from :func:`~autoprec.graph.analyze`.
             precision: the layer's precision.
             scale: ``batch_size / table.batch_size`` (FLOPs and activations scale, weights not).
             rate: FLOP/s of the kernels; default :meth:`rate` of ``precision``.
+            high: the activations' dtype, for an fp8 recipe's high-precision GEMM.
         """
         p = parse_precision(precision)
         rate = self.rate(p, layer=row.name) if rate is None else rate
         ratio = _ratio(p)
         fwd_bytes = ((row.input_bytes + row.output_bytes) * scale + row.weight_bytes) * ratio
         overhead = self.efficiency.kernel_overhead_s
-        compute = (row.forward_flops * scale / rate, row.backward_flops * scale / rate)
+        forward_s = row.forward_flops * scale / rate
+        backward_s = row.backward_flops * scale / rate
+        rescale_s = 0.0
+        if p.is_fp8 and p is not Precision.FP8:  # a rowwise recipe (torchao's kernels)
+            forward_s /= ROWWISE_GEMM_EFFICIENCY
+            # its backward GEMMs leave the tensorwise kernel unscaled, in bf16, and are
+            # rescaled afterwards: a read and a write of each result
+            results = [row.input_bytes * scale]
+            if p.recipe.low("grad_weight"):
+                results.append(row.weight_bytes)
+            rescale_s = self._memory_s(sum(2 * b * STORAGE_BYTES["bf16"] / 4 for b in results))
+        if p.is_fp8 and not p.recipe.low("grad_weight"):
+            half = row.backward_flops * scale / 2
+            wide = high if self.device.supports(high) else "fp32"
+            backward_s = half / rate + half / self.rate(wide)
+        compute = (forward_s, backward_s)
         memory = (fwd_bytes / self._bandwidth, 2 * fwd_bytes / self._bandwidth)
         return LayerCost(
             name=row.name,
             precision=p.value,
             forward_s=max(compute[0], memory[0]) + overhead,
-            backward_s=max(compute[1], memory[1]) + 2 * overhead,
+            backward_s=max(compute[1], memory[1]) + 2 * overhead + rescale_s,
             bound="compute" if sum(compute) >= sum(memory) else "memory",
         )
 
@@ -271,13 +293,14 @@ class CostModel:
         transposes = memory_format == "contiguous" and self.device.vendor == "nvidia"
         scale = batch / table.batch_size
         precision_for = _precision_lookup(policy)
+        high = region_of(precision_for(row.name) for row in table.rows) or "fp32"
         flow = getattr(table, "flow", None)
         layers, cast_s, other_s, layout_s, params = [], 0.0, 0.0, 0.0, 0
         low_weights = activations = 0.0
         previous = Precision.FP32  # the model input
         for row in table.rows:
             p = precision_for(row.name)
-            cost = self.layer_cost(row, p, scale)
+            cost = self.layer_cost(row, p, scale, high=high)
             ratio = _ratio(p)
             in_bytes, out_bytes = row.input_bytes * scale, row.output_bytes * scale
             if transposes and _tensor_core_conv(row, p):  # NCHW <-> NHWC, see the docstring
@@ -295,7 +318,7 @@ class CostModel:
                     cast_s += 2 * self._memory_s(in_bytes * (_ratio(previous) + ratio))
                 if ratio < 1:  # weight copy at the low format, once per step
                     cast_s += self._memory_s(row.weight_bytes * (1 + ratio))
-                if p is Precision.FP8:  # amax of input and weight
+                if p.is_fp8:  # amax of input and weight
                     cast_s += self._memory_s(in_bytes + row.weight_bytes)
             low, saved = layer_memory(row, p, scale)
             low_weights += low

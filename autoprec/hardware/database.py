@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from autoprec.precision import PRECISION_NAMES, Precision, parse_precision
+from autoprec.precision import HARDWARE_PRECISIONS, PRECISION_NAMES, Precision, parse_precision
 
 _REQUIRED = ("name", "vendor", "full_name", "supported_precisions", "peak_tflops")
 _REQUIRED += ("memory_bandwidth_gbs", "memory_gb", "preferred", "sources")
@@ -115,6 +115,12 @@ class DeviceSpec:
     def __post_init__(self) -> None:
         supported = [parse_precision(p).value for p in self.supported_precisions]
         listed = ", ".join(supported)
+        recipes = [p for p in supported if p not in HARDWARE_PRECISIONS]
+        _require(
+            not recipes,
+            f"supported_precisions lists {', '.join(recipes)}, a software recipe; list the "
+            f"formats of the tensor cores ({', '.join(HARDWARE_PRECISIONS)})",
+        )
         once = "fp32" in supported and len(set(supported)) == len(supported)
         _require(once, f"supported_precisions must hold fp32, each name once; got [{listed}]")
         rates = {parse_precision(p).value: v for p, v in self.peak_tflops.items()}
@@ -155,8 +161,9 @@ class DeviceSpec:
         return hash(self.name)
 
     def supports(self, precision: str | Precision) -> bool:
-        """Whether the hardware runs ``precision`` (raises ValueError for an unknown name)."""
-        return parse_precision(precision).value in self.supported_precisions
+        """Whether the hardware runs ``precision`` (raises ValueError for an unknown name); an
+        fp8 recipe runs where fp8 does (:attr:`~autoprec.precision.Precision.hardware`)."""
+        return parse_precision(precision).hardware in self.supported_precisions
 
     def peak_flops(self, precision: str | Precision) -> float:
         """Dense peak rate for ``precision`` in FLOP/s.

@@ -26,6 +26,15 @@ DEFAULT_COMPUTE_EFFICIENCY: Mapping[str, float] = MappingProxyType(
 )
 
 
+#: The forward GEMM of torchao's rowwise recipes (``_scaled_mm`` with per-row scales, fast
+#: accumulation) relative to the tensorwise fp8 GEMM's rate: "Most shapes are within 90-100% of
+#: tensor-wise efficiency, but there's a long tail going down to 50%" (pytorch/pytorch#147971,
+#: the CUTLASS rowwise kernel on H100); the lower end of "most shapes". Their backward GEMMs
+#: run the tensorwise kernel with unit scales and rescale the result afterwards (torchao's
+#: ``addmm_float8_unwrapped``), which the cost model charges as a memory pass instead.
+ROWWISE_GEMM_EFFICIENCY = 0.9
+
+
 class CostModelError(ValueError):
     """The cost model cannot estimate this device, precision or setting."""
 

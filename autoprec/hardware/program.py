@@ -40,6 +40,7 @@ Torch-free (plain data), so that a cached layer table can be costed without torc
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
@@ -206,7 +207,7 @@ class Program:
 def _compute(precision: Precision) -> str:
     if precision in (Precision.FP32, Precision.TF32):
         return "fp32"
-    return "fp8" if precision is Precision.FP8 else precision.value
+    return precision.hardware
 
 
 def _promote(dtypes: list[str]) -> str:
@@ -347,9 +348,10 @@ class _Replay:
         return compute
 
     def float8(self, op: FlowOp, args: list[int]) -> str:
-        """torchao's Float8Linear (tensorwise) as the runtime runs it: see the module
-        docstring."""
+        """torchao's Float8Linear under the layer's recipe, as the runtime runs it: see the
+        module docstring."""
         layer = op.layer
+        recipe = self.policy[layer].recipe
         weights = [a for a in args if self.is_weight(a) and self.tensors[self.root(a)].dim == 2]
         bias = [a for a in args if self.is_weight(a) and a not in weights]
         acts = [a for a in args if not self.is_weight(a)]
@@ -359,21 +361,31 @@ class _Replay:
                 self.dtype[a] = self.region
         out = self.dtype[acts[0]] if acts else "fp32"
         grad_numel = self.tensors[op.outs[0]].numel if op.outs else 0
-        # (tensor dtype, numel, weight?, target) of every fp8 cast, forward then backward: the
-        # output gradient to e5m2 twice (one per backward GEMM), the weight and input again
-        forward = [(self.dtype[a], self.tensors[a].numel, False, "fp8_e4m3") for a in acts]
-        forward += [("fp32", self.tensors[self.root(w)].numel, True, "fp8_e4m3") for w in weights]
-        backward = [(out, grad_numel, False, "fp8_e5m2")] * 2 * len(acts)
-        backward += [f[:3] + ("fp8_e4m3",) for f in forward[len(acts) :] + forward[: len(acts)]]
-        for phase, casts in (("forward", forward), ("backward", backward)):
-            for source, numel, weight, target in casts:
-                # the scale from the amax in fp64 (torchao's amax_to_scale), the tensor scaled
-                # in fp32, then cast
-                self.casts.append(Cast(phase, layer, source, "fp64", 1, False))
-                self.casts.append(Cast(phase, layer, "fp64", "fp32", 1, False))
-                if source != "fp32":
-                    self.casts.append(Cast(phase, layer, source, "fp32", numel, weight))
-                self.casts.append(Cast(phase, layer, "fp32", target, numel, weight))
+        # per GEMM, (tensor dtype, numel, weight?, operand cast, scales) of each fp8 operand:
+        # every GEMM casts its own operands (tensorwise recasts to the same bits)
+        sizes = {"input": [], "weight": [], "grad_output": []}
+        for a in acts:
+            sizes["input"].append((self.dtype[a], self.tensors[a].numel, False))
+            sizes["grad_output"].append((out, grad_numel, False))
+        for w in weights:
+            sizes["weight"].append(("fp32", self.tensors[self.root(w)].numel, True))
+        features = _features(sizes)
+        gemms = {"forward": [("output", acts)], "backward": []}
+        gemms["backward"] = [("grad_input", acts), ("grad_weight", acts)]
+        hp = []
+        for phase, run in gemms.items():
+            for gemm, operands in run:
+                specs = recipe.gemms()[gemm]
+                if specs[0].fmt is None:  # a high-precision GEMM: a plain mm in `out`
+                    hp += [Matmul(phase, layer, "mm", out)] * len(operands)
+                    continue
+                for role, spec in zip(_ROLES[gemm], specs, strict=True):
+                    for source, numel, weight in sizes[role]:
+                        scales = _scales(role, spec.axis, numel, features)
+                        self._fp8_cast(phase, layer, source, numel, weight, spec.fmt, scales)
+                kind = "forward" if phase == "forward" else "backward"
+                self.matmuls.extend([Matmul(kind, layer, "_scaled_mm", "fp8")] * len(operands))
+        self.matmuls.extend(hp)
         if out != "fp32":  # the weight gradient leaves the GEMM in `out`: autograd casts it
             for w in weights:
                 numel = self.tensors[self.root(w)].numel
@@ -381,6 +393,51 @@ class _Replay:
         for a in bias:  # Float8Linear adds bias.to(output dtype)
             if out != "fp32":
                 self.cast(a, out, layer, cache=False)
-        self.matmuls.append(Matmul("forward", layer, "_scaled_mm", "fp8"))
-        self.matmuls.extend([Matmul("backward", layer, "_scaled_mm", "fp8")] * 2 * len(acts))
         return out
+
+    def _fp8_cast(
+        self,
+        phase: str,
+        layer: str,
+        source: str,
+        numel: int,
+        weight: bool,
+        target: str,
+        scales: int,
+    ) -> None:
+        """One torchao fp8 cast: the scales from the amax in fp64 (``amax_to_scale``: one per
+        tensor, or one per row), the tensor scaled in fp32, then cast."""
+        self.casts.append(Cast(phase, layer, source, "fp64", scales, False))
+        self.casts.append(Cast(phase, layer, "fp64", "fp32", scales, False))
+        if source != "fp32":
+            self.casts.append(Cast(phase, layer, source, "fp32", numel, weight))
+        self.casts.append(Cast(phase, layer, "fp32", target, numel, weight))
+
+
+#: The operands of a Linear's GEMMs, in the order of :class:`~autoprec.precision.Float8Recipe`.
+_ROLES = {
+    "output": ("input", "weight"),
+    "grad_input": ("grad_output", "weight"),
+    "grad_weight": ("grad_output", "input"),
+}
+
+
+def _features(sizes: Mapping[str, list[tuple[str, int, bool]]]) -> tuple[int, int, int]:
+    """``(M, K, N)`` of a Linear's GEMM from its input (M x K), weight (N x K) and output
+    gradient (M x N) element counts (``K**2 = input * weight / output``); ones when unknown."""
+    try:
+        a, w, o = (sizes[r][0][1] for r in ("input", "weight", "grad_output"))
+        k = max(1, round(math.sqrt(a * w / o)))
+    except (IndexError, ZeroDivisionError, ValueError):
+        return 1, 1, 1
+    return max(1, a // k), k, max(1, w // k)
+
+
+def _scales(role: str, axis: int | None, numel: int, features: tuple[int, int, int]) -> int:
+    """How many scales an operand's cast computes: one per tensor, else one per slice across
+    ``axis`` of the operand as stored (input M x K, weight N x K, output gradient M x N)."""
+    if axis is None:
+        return 1
+    m, k, n = features
+    rows, cols = {"input": (m, k), "weight": (n, k), "grad_output": (m, n)}[role]
+    return rows if axis == 1 else cols

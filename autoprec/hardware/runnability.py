@@ -3,7 +3,7 @@
 This is the single table that the action masks, the cost model and the runtime read, so that a
 search never proposes a program production training cannot run.
 
-| kind        | fp32  | tf32  | bf16 / fp16 | fp8                                          |
+| kind        | fp32  | tf32  | bf16 / fp16 | fp8 (every recipe)                           |
 |-------------|-------|-------|-------------|----------------------------------------------|
 | ``conv``    | plain | TF32  | autocast    | no: no fp8 convolution kernel                |
 | ``linear``  | plain | TF32  | autocast    | torchao ``Float8Linear`` (K, N % 16 == 0)    |
@@ -25,7 +25,9 @@ low-precision compute.)
 - A target in ``emulate`` mode (a study of formats on layers the backends cannot run them on,
   e.g. fp8 convolutions) runs any layer kind at any format the target lists, through
   autoprec's emulation; a policy made that way is not for native training. A format the
-  target lacks altogether stays out (the cost model has no rate for it).
+  target lacks altogether stays out (the cost model has no rate for it). The rowwise fp8
+  recipes are emulated for ``nn.Linear`` layers only (their casts are defined per GEMM of a
+  Linear), so they stay Linear-only in ``emulate`` mode too.
 
 This module imports neither torch nor torchao (``importlib.util.find_spec`` looks torchao up),
 so that masks and costs of a cached layer table need no torch.
@@ -72,7 +74,7 @@ class Backend(str, Enum):
     PLAIN = "fp32"  # fp32 kernels, TF32 off
     TF32 = "tf32"  # fp32 storage, TF32 tensor-core math, forward and backward
     AUTOCAST = "autocast"  # low-precision compute as torch.autocast casts it
-    FLOAT8 = "torchao.float8"  # torchao Float8Linear (tensorwise dynamic scaling)
+    FLOAT8 = "torchao.float8"  # torchao Float8Linear (the precision's recipe)
     EMULATE = "emulate"  # autoprec's bit-exact emulation (emulate-mode targets)
 
     def __str__(self) -> str:
@@ -162,11 +164,13 @@ def runnability(
         raise ValueError(f"unknown mode {mode!r}; expected native, auto or emulate")
     supported = getattr(device, "supported_precisions", device)
     name = getattr(device, "name", "the target")
-    if p.value not in tuple(supported):  # nothing to price it with, even in a study
-        return Verdict(p, None, f"{name} has no {p.value} tensor cores")
+    if p.hardware not in tuple(supported):  # nothing to price it with, even in a study
+        return Verdict(p, None, f"{name} has no {p.hardware} tensor cores")
     if mode == "emulate":
+        if p.is_fp8 and p is not Precision.FP8 and kind != "linear":
+            return Verdict(p, None, f"the {p.recipe.name} fp8 recipe is for nn.Linear layers")
         return Verdict(p, Backend.EMULATE)
-    if p is not Precision.FP8:
+    if not p.is_fp8:
         return Verdict(p, _base(p))
     if kind == "conv":
         return Verdict(p, None, "no fp8 convolution kernel (torchao float8 is Linear-only)")

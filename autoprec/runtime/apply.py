@@ -33,6 +33,7 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from autoprec.hardware.program import region_of
+from autoprec.hardware.runnability import NotRunnableError
 from autoprec.policy import PATTERN_PREFIX, TARGET_MODES, PrecisionPolicy, resolve_mode
 from autoprec.precision import Precision
 from autoprec.runtime import native
@@ -188,6 +189,22 @@ class PolicyHandle:
         state = "removed" if self.removed else f"{len(self.layers)} layers"
         return f"PolicyHandle(mode={self.mode!r}, {state})"
 
+    def emulated_float8(self, module: nn.Module, precision: Precision) -> nn.Module:
+        """Emulate mode's stand-in for an fp8-recipe Linear (:mod:`.float8_emulate`).
+
+        Raises:
+            NotRunnableError: the layer is not an ``nn.Linear``.
+        """
+        from autoprec.runtime.float8_emulate import EmulatedFloat8Linear, RecipeCasts
+
+        if not isinstance(module, nn.Linear):
+            raise NotRunnableError(
+                f"the {precision.recipe.name} fp8 recipe runs on nn.Linear layers, not on a "
+                f"{type(module).__name__}; choose fp8 (tensorwise) or a 16-bit precision for it",
+            )
+        casts = RecipeCasts(precision, self.guard.count, self.region_format)
+        return EmulatedFloat8Linear.from_linear(module, casts)
+
     def _manage(self, name: str, module: nn.Module, precision: Precision, listed: bool) -> None:
         runner = None
         if self.float8 is not None:
@@ -278,9 +295,13 @@ def apply_policy(
         unlisted = {
             n: m for n, m in tunable_layers(model) if n not in precisions and m not in _applied
         }
-        fp8 = [n for n, p in precisions.items() if p is Precision.FP8]
+        fp8 = {n: p for n, p in precisions.items() if p.is_fp8}
         if fp8:
             handle.float8 = native.Float8Swap(model, fp8)
+    elif any(p.is_fp8 and p is not Precision.FP8 for p in precisions.values()):
+        # the rowwise recipes cast per GEMM: their Linears run an emulating module
+        recipes = {n: p for n, p in precisions.items() if p.is_fp8 and p is not Precision.FP8}
+        handle.float8 = native.Float8Swap(model, recipes, build=handle.emulated_float8)
     for name, precision in precisions.items():
         handle._manage(name, modules[name], precision, listed=True)
     for name, module in unlisted.items():

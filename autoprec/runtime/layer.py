@@ -108,7 +108,12 @@ class ManagedLayer:
 
     def _casts(self, precision: Precision, count: bool) -> LayerCasts:
         """The layer's casters; an fp8 layer inside the policy's autocast region stores its
-        results in the region's format, as torchao's Float8Linear does under autocast."""
+        results in the region's format, as torchao's Float8Linear does under autocast. An
+        emulated fp8-recipe layer's module casts by itself (:mod:`.float8_emulate`): its
+        casters are that module's."""
+        recipe_casts = getattr(self.runner, "casts", None)
+        if precision.is_fp8 and not self.native and recipe_casts is not None:
+            return recipe_casts
         if precision is Precision.FP8 and self.handle.region_format is not None:
             return LayerCasts(precision, count=count, output_format=self.handle.region_format)
         return LayerCasts(precision, count=count)
@@ -200,14 +205,14 @@ class ManagedLayer:
         self.restore_weights()
         if self.native:
             output = self._exit_native(output)
-            if self._unswap and not self.running:
-                self._back_to_linear()
-            return output
-        output = self._round_gradient(output)
-        if bias is not None and isinstance(output, torch.Tensor):  # fp8: as Float8Linear adds it
-            output = output + self.casts.forward_operand(bias, "bias")
-            if self.casts.output_format is not None:  # the add runs in the stored dtype
-                output = fake_quantize(output, self.casts.output_format, None)
+        else:
+            output = self._round_gradient(output)
+            if bias is not None and isinstance(output, torch.Tensor):  # fp8: as Float8Linear
+                output = output + self.casts.forward_operand(bias, "bias")
+                if self.casts.output_format is not None:  # the add runs in the stored dtype
+                    output = fake_quantize(output, self.casts.output_format, None)
+        if self._unswap and not self.running:
+            self._back_to_linear()
         return output
 
     def _round_gradient(self, output: Any) -> Any:
@@ -248,6 +253,13 @@ class ManagedLayer:
                 this layer's weight.
         """
         self._begin_call()
+        if not self.native and self.precision.is_fp8 and self.runner is not self.module:
+            raise NotRunnableError(
+                f"layer {self.name!r} is {self.precision.value} but its weight is used "
+                f"functionally ({getattr(func, '__name__', func)}), outside the nn.Linear its "
+                "fp8 module replaces; choose bf16 or fp16 for it",
+                {self.name: f"{self.precision.value}: weight used functionally"},
+            )
         if not self.native:
             args, kwargs = list(args), dict(kwargs)
             for where, is_weight in operands:
@@ -264,7 +276,7 @@ class ManagedLayer:
                 else:
                     kwargs[where] = rounded
             return self._round_gradient(func(*args, **kwargs))
-        if self.precision is Precision.FP8:
+        if self.precision.is_fp8:
             raise NotRunnableError(
                 f"layer {self.name!r} is fp8 but its weight is used functionally "
                 f"({getattr(func, '__name__', func)}), not through an nn.Linear torchao can swap; "
@@ -317,8 +329,8 @@ class ManagedLayer:
         )
         over, under = self.casts.counts()
         self._folded = (self._folded[0] + over, self._folded[1] + under)
-        if self.native and self.precision is Precision.FP8:
-            self._unswap = True  # this call still runs in the Float8Linear
+        if self.precision.is_fp8 and self.runner is not self.module:
+            self._unswap = True  # this call still runs in the fp8 module
         self.casts = self._casts(wider, self.casts.count)
         self.promotions.append(event)
         self._window.clear()

@@ -13,7 +13,7 @@ model can price it as autocast's:
   boundary), with the TF32 switches (``torch.backends.cuda.matmul.fp32_precision`` and
   ``torch.backends.cudnn.conv.fp32_precision``) set to ``"tf32"`` or ``"ieee"`` for its forward
   and for its backward (see :class:`_BackwardSwitches`).
-- An fp8 layer is a torchao ``Float8Linear`` (:class:`Float8Swap`), tensorwise dynamic scaling;
+- An fp8 layer is a torchao ``Float8Linear`` (:class:`Float8Swap`) with its precision's recipe;
   inside the region it takes its input in the region's dtype (one cast at the boundary) and
   writes its output in it, as ``Float8Linear`` does under CUDA autocast.
 
@@ -24,7 +24,7 @@ masks and the cost model read too; :func:`check_native` refuses anything else.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -190,7 +190,7 @@ def enter_layer(
     """Open the native rule of one layer call; returns the (cast) arguments and its frame."""
     frame = Frame()
     outer = torch.is_autocast_enabled(device_type)
-    if precision is Precision.FP8:
+    if precision.is_fp8:
         # torchao's Float8Linear casts its input to CUDA autocast's dtype (through the deprecated
         # get_autocast_gpu_dtype, and not on the CPU): do that cast here, for every device, and
         # run it with autocast off, so that the program is the same everywhere
@@ -249,37 +249,67 @@ def exit_layer(frame: Frame, output: Any) -> Any:
 
 # --- fp8 ----------------------------------------------------------------------------------------
 class Float8Swap:
-    """torchao ``Float8Linear`` modules in place of a model's fp8 ``nn.Linear`` layers.
+    """fp8 modules in place of a model's fp8 ``nn.Linear`` layers, each with its recipe.
 
-    ``torchao.float8.convert_to_float8_training`` swaps them (its default tensorwise
-    ``Float8LinearConfig``; ``Float8Linear.from_float`` keeps the very same ``Parameter``
-    objects); :meth:`restore` puts the original modules back. torchao does not swap a root
-    module in place, so a model that is itself the fp8 ``Linear`` runs the ``Float8Linear``'s
-    ``forward`` in its own place instead (an instance attribute, deleted on restore).
+    Natively they are torchao ``Float8Linear`` modules: ``torchao.float8
+    .convert_to_float8_training`` swaps them, one call per recipe with
+    ``Float8LinearConfig.from_recipe_name`` (``Float8Linear.from_float`` keeps the very same
+    ``Parameter`` objects). ``build`` replaces that (emulate mode's
+    :class:`~.float8_emulate.EmulatedFloat8Linear`). :meth:`restore` puts the original modules
+    back. A root module cannot be swapped in place, so a model that is itself the fp8 ``Linear``
+    runs the new module's ``forward`` in its own place instead (an instance attribute, deleted
+    on restore).
+
+    Args:
+        model: the model.
+        precisions: ``{layer name: fp8 precision}``.
+        build: ``(linear, precision) -> module``; None: torchao's ``Float8Linear``.
     """
 
-    def __init__(self, model: nn.Module, names: Iterable[str]) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        precisions: Mapping[str, Precision],
+        build: Callable[[nn.Module, Precision], nn.Module] | None = None,
+    ) -> None:
+        self.model = model
+        modules = dict(model.named_modules())
+        self.originals = {name: modules[name] for name in precisions}
+        self.runners: dict[str, nn.Module] = {}
+        if build is None:
+            self._torchao(model, precisions)
+        else:
+            for name, precision in precisions.items():
+                runner = build(modules[name], precision)
+                self._place(name, runner)
+        if "" in precisions:
+            self._root = self.runners[""]
+            model.forward = self._root.forward
+            self.runners[""] = model
+
+    def _torchao(self, model: nn.Module, precisions: Mapping[str, Precision]) -> None:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
         from torchao.float8.float8_linear import Float8Linear
 
-        self.model = model
-        wanted = set(names)
-        modules = dict(model.named_modules())
-        self.originals = {name: modules[name] for name in wanted}
-        self.runners: dict[str, nn.Module] = {}
-        config = Float8LinearConfig()
-        if wanted - {""}:
-            convert_to_float8_training(
-                model,
-                module_filter_fn=lambda _, fqn: fqn in wanted and fqn != "",
-                config=config,
-            )
-            swapped = dict(model.named_modules())
-            self.runners = {n: swapped[n] for n in wanted if n != ""}
-        if "" in wanted:
-            self._root = Float8Linear.from_float(model, config=config)
-            model.forward = self._root.forward
-            self.runners[""] = model
+        for recipe in {p.recipe.name for p in precisions.values()}:
+            config = Float8LinearConfig.from_recipe_name(recipe)
+            wanted = {n for n, p in precisions.items() if p.recipe.name == recipe}
+            if wanted - {""}:
+                convert_to_float8_training(
+                    model,
+                    module_filter_fn=lambda _, fqn, w=wanted: fqn in w and fqn != "",
+                    config=config,
+                )
+            if "" in wanted:
+                self.runners[""] = Float8Linear.from_float(model, config=config)
+        swapped = dict(model.named_modules())
+        self.runners.update({n: swapped[n] for n in precisions if n != ""})
+
+    def _place(self, name: str, runner: nn.Module) -> None:
+        self.runners[name] = runner
+        if name:
+            parent_name, _, child = name.rpartition(".")
+            setattr(self.model.get_submodule(parent_name), child, runner)
 
     def restore(self, name: str) -> nn.Module:
         """Put layer ``name``'s original module back; returns it."""

@@ -59,13 +59,22 @@ def test_make_after_import_and_masked_random_episode():
     inner = env.unwrapped
     assert isinstance(inner, PrecisionEnv)
     assert inner.layers == LAYERS
-    assert env.observation_space.shape == (len(STATIC_FEATURES) + 2 * 5 + 2,)
-    # the first layer is a convolution: h100 runs four of five (no fp8 convolution kernel)
-    assert env.get_wrapper_attr("action_masks")().tolist() == [True, True, True, True, False]
-    # per layer, from the runnability table: fp8 only on fc1 (512 x 64; fc2's 10 outputs are
-    # not a multiple of 16, as torchao requires)
-    fp8 = {name: bool(mask[-1]) for name, mask in zip(LAYERS, inner._masks, strict=True)}
-    assert fp8 == {"conv1": False, "conv2": False, "fc1": True, "fc2": False}
+    n = len(DEFAULT_PRECISIONS)
+    assert env.observation_space.shape == (len(STATIC_FEATURES) + 2 * n + 2,)
+    # the first layer is a convolution: h100 runs four of the five formats (no fp8 convolution
+    # kernel, whichever fp8 recipe)
+    fp8_at = [i for i, p in enumerate(DEFAULT_PRECISIONS) if p.startswith("fp8")]
+    mask = env.get_wrapper_attr("action_masks")().tolist()
+    assert mask == [i not in fp8_at for i in range(n)]
+    # per layer, from the runnability table: fp8 (every recipe) only on fc1 (512 x 64; fc2's 10
+    # outputs are not a multiple of 16, as torchao requires)
+    fp8 = {name: [bool(m[i]) for i in fp8_at] for name, m in zip(LAYERS, inner._masks, strict=True)}
+    assert fp8 == {
+        "conv1": [False] * 3,
+        "conv2": [False] * 3,
+        "fc1": [True] * 3,
+        "fc2": [False] * 3,
+    }
     obs, _ = env.reset(seed=0)
     sens = obs[len(STATIC_FEATURES) : len(STATIC_FEATURES) + 5]
     table = inner.sensitivity
@@ -93,7 +102,8 @@ def test_a100_masks_fp8_and_remaps_to_the_next_wider():
     assert mask.dtype == bool and not mask[fp8] and mask.sum() == 4
     obs, reward, terminated, _, info = env.step(fp8)
     assert info["remapped"] and (info["requested"], info["precision"]) == ("fp8", "fp16")
-    assert obs[len(STATIC_FEATURES) + 5 + fp16] == 1.0  # the previous action is the applied one
+    previous = len(STATIC_FEATURES) + len(env.precisions)  # after the per-precision sensitivities
+    assert obs[previous + fp16] == 1.0  # the previous action is the applied one
     for _ in LAYERS[1:]:
         obs, reward, terminated, _, info = env.step(fp8)
         assert env.observation_space.contains(obs)
@@ -181,7 +191,8 @@ def test_make_vec_single_env_with_masks():
     venv.reset()
     for _ in LAYERS:
         masks = get_action_masks(venv)
-        assert masks.shape == (1, 5) and not masks[0, 4]
+        n = len(DEFAULT_PRECISIONS)
+        assert masks.shape == (1, n) and not masks[0, DEFAULT_PRECISIONS.index("fp8")]
         _, rewards, dones, infos = venv.step(np.array([2]))
     assert dones[0] and np.isfinite(rewards[0])
     assert infos[0]["policy"] == dict.fromkeys(LAYERS, "bf16") and "episode" in infos[0]

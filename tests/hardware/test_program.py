@@ -16,6 +16,7 @@ from autoprec.hardware import CostModel, get_device
 from autoprec.hardware.program import program
 from autoprec.hardware.runnability import runnable_precisions
 from autoprec.models import load_model
+from autoprec.precision import PRECISION_NAMES
 from autoprec.runtime import apply_policy
 from autoprec.runtime.record import OpRecorder
 
@@ -59,9 +60,7 @@ def _recorded(spec, precisions, batch) -> tuple[Counter, Counter]:
 
 
 def _random_policies(table, n: int, seed: int) -> list[dict[str, str]]:
-    choices = runnable_precisions(
-        table, get_device("h100-sxm"), ["fp32", "tf32", "bf16", "fp16", "fp8"]
-    )
+    choices = runnable_precisions(table, get_device("h100-sxm"), PRECISION_NAMES)
     rng = np.random.default_rng(seed)
     out = [{name: "bf16" for name in choices}]  # blanket AMP first
     while len(out) < n:
