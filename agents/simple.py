@@ -6,6 +6,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from autoprec.agents.base import Agent, Session, nearest_allowed
+from autoprec.agents.hand_rules import hand_rule_policies
 from autoprec.precision import Precision, parse_precision
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -16,8 +17,10 @@ def baseline_policies(session: Session) -> list[tuple[str, dict[str, str]]]:
     """``(name, {layer: precision})`` of the rules a user gets without searching.
 
     Uniform fp32, blanket AMP at bf16 and at fp16 (each only where the target runs it and it
-    is in the problem's precisions) and the target's default rule
-    (:func:`autoprec.hardware.default_policy`, its precisions fitted to the choices); a rule
+    is in the problem's precisions), the target's default rule
+    (:func:`autoprec.hardware.default_policy`, its precisions fitted to the choices) and the
+    fp8 rules people write by hand (:mod:`autoprec.agents.hand_rules`: torchao's auto filter per
+    recipe, fp8 except the output head, Megatron's first and last blocks in bf16); a rule
     that repeats an earlier one is left out.
     """
     from autoprec.hardware.defaults import default_policy
@@ -31,6 +34,7 @@ def baseline_policies(session: Session) -> list[tuple[str, dict[str, str]]]:
             out.append((f"amp-{low}", dict.fromkeys(layers, low)))
     rule = default_policy(problem.table, device).resolve(problem.evaluator.spec.module)
     out.append(("hardware-default", {n: rule.get(n, Precision.FP32).value for n in layers}))
+    out.extend(hand_rule_policies(problem))
     unique: list[tuple[str, dict[str, str]]] = []
     seen: set[tuple[str, ...]] = set()
     for name, policy in out:
