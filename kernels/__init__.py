@@ -5,12 +5,27 @@
 - :mod:`.scaling`: per-tensor scaling for fp8/fp16: current scaling as torchao's float8
   training (``DynamicScaledCast``, ``amax_to_scale``) and delayed scaling (``ScaledCast``).
 - :mod:`.autograd`: rounding in forward and backward (``fake_quantize``).
+- :mod:`.mx`: block-scaled MX and NVFP4 formats (``mx_round``, ``nvfp4_round``) and an MX
+  training linear (``mx_linear``), bit for bit as torchao's emulated MX path.
 
 This package imports nothing else of autoprec, so the runtime and user code can build on it.
 """
 
 from .autograd import Caster, fake_quantize
 from .formats import FORMATS, Format, format_names, get_format
+from .mx import (
+    MX_ELEMENTS,
+    MX_SCALING_MODES,
+    NVFP4_BLOCK_SIZE,
+    BlockQuantized,
+    MXLinearFunction,
+    mx_linear,
+    mx_quantize,
+    mx_round,
+    nvfp4_quantize,
+    nvfp4_round,
+    nvfp4_tensor_scale,
+)
 from .quantize import ROUNDING_MODES, quantize, quantize_with_counts
 from .scaling import (
     AMAX_EPS,
@@ -26,15 +41,26 @@ __all__ = [
     "AMAX_RULES",
     "DynamicScaledCast",
     "FORMATS",
+    "MX_ELEMENTS",
+    "MX_SCALING_MODES",
+    "NVFP4_BLOCK_SIZE",
     "ROUNDING_MODES",
+    "BlockQuantized",
     "Caster",
     "Format",
+    "MXLinearFunction",
     "ScaledCast",
     "ScaledTensor",
     "amax_to_scale",
     "fake_quantize",
     "format_names",
     "get_format",
+    "mx_linear",
+    "mx_quantize",
+    "mx_round",
+    "nvfp4_quantize",
+    "nvfp4_round",
+    "nvfp4_tensor_scale",
     "quantize",
     "quantize_with_counts",
 ]
