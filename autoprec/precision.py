@@ -11,6 +11,7 @@ A layer's *precision* names what its matrix work uses; master weights always sta
 | fp8       | fp8_e4m3         | fp8_e5m2                   | yes, per tensor (current)  |
 | fp8_rowwise | fp8_e4m3       | fp8_e4m3                   | yes, per row, powers of two |
 | fp8_rowwise_gw_hp | fp8_e4m3 | fp8_e4m3 (input gradient); weight gradient unrounded | yes |
+| mxfp8     | fp8_e4m3, 1x32 blocks | fp8_e4m3, 1x32 blocks  | yes, E8M0 per block (Blackwell) |
 
 The fp8 precisions are torchao's float8 training recipes (``Float8LinearConfig.from_recipe_name``):
 ``fp8`` is ``tensorwise`` (each operand scaled from its own current amax), ``fp8_rowwise`` is
@@ -18,6 +19,11 @@ The fp8 precisions are torchao's float8 training recipes (``Float8LinearConfig.f
 out, per recipe, how each operand of each of a Linear's three GEMMs is cast; torchao's
 ``Float8Linear`` runs it natively and the emulate mode reproduces it. The recipes differ in
 software, not in hardware: all of them run on the fp8 tensor cores (:attr:`Precision.hardware`).
+
+``mxfp8`` is OCP MXFP8 as torchao's MXFP8 training runs it (``torchao.prototype.moe_training``
+``MXFP8Linear``, RCEIL scales): every operand of all three GEMMs in e4m3 blocks of 32 along
+that GEMM's reduction dimension, each with a power-of-two (E8M0) scale, on tensor cores that
+read block scales (Blackwell: hardware ``mxfp8``).
 """
 
 from __future__ import annotations
@@ -81,7 +87,9 @@ FORMAT_FACTS: Mapping[str, FormatFacts] = MappingProxyType(
 
 
 #: The formats tensor cores compute in, as the device database names them (widest first).
-HARDWARE_PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "fp8")
+HARDWARE_PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "fp8", "mxfp8")
+#: MXFP8's block: elements per E8M0 scale, along the GEMM's reduction dimension.
+MX_BLOCK = 32
 
 
 @dataclass(frozen=True)
@@ -142,6 +150,7 @@ class Precision(str, Enum):
     FP8 = "fp8"
     FP8_ROWWISE = "fp8_rowwise"
     FP8_ROWWISE_GW_HP = "fp8_rowwise_gw_hp"
+    MXFP8 = "mxfp8"
 
     def __str__(self) -> str:
         return self.value
@@ -149,7 +158,7 @@ class Precision(str, Enum):
     @property
     def forward_format(self) -> str:
         """Format of the layer's operands (input and weight) in forward."""
-        return _E4M3 if self.is_fp8 else self.value
+        return _E4M3 if self.is_fp8 or self.is_mx else self.value
 
     @property
     def backward_format(self) -> str:
@@ -157,7 +166,18 @@ class Precision(str, Enum):
         gradient's GEMM, where a recipe casts it differently per GEMM)."""
         if self.is_fp8:
             return self.recipe.grad_input[0].fmt or _E4M3
-        return self.value
+        return _E4M3 if self.is_mx else self.value
+
+    @property
+    def is_8bit(self) -> bool:
+        """Whether a Linear at this precision runs as a swapped module (a torchao fp8 recipe's
+        ``Float8Linear`` or ``MXFP8Linear``, or their emulations)."""
+        return self.is_fp8 or self.is_mx
+
+    @property
+    def is_mx(self) -> bool:
+        """Whether this is a block-scaled MX format (``mxfp8``)."""
+        return self is Precision.MXFP8
 
     @property
     def is_fp8(self) -> bool:
@@ -193,8 +213,9 @@ class Precision(str, Enum):
 
     @property
     def scaled(self) -> bool:
-        """Whether casts are scaled (from the current amax, as torchao's), per tensor or per row."""
-        return self.is_fp8
+        """Whether casts are scaled (from the current amax, as torchao's), per tensor, row or
+        block."""
+        return self.is_fp8 or self.is_mx
 
     @property
     def width(self) -> int:
@@ -202,14 +223,16 @@ class Precision(str, Enum):
         return _ORDER.index(self)
 
     def wider(self) -> Precision | None:
-        """The next wider format (any fp8 recipe -> fp16 -> bf16 -> tf32 -> fp32), None for fp32.
+        """The next wider format (any fp8 recipe or mxfp8 -> fp16 -> bf16 -> tf32 -> fp32), None
+        for fp32.
 
         fp16 widens to bf16 for its range (the usual fix for fp16 overflow), bf16 to tf32 for
-        its mantissa. The fp8 recipes share one format (e4m3), so none is wider than another:
-        each widens to fp16, although :attr:`width` ranks them (tensorwise, rowwise, rowwise
-        with a high-precision weight gradient: the more precise, the wider).
+        its mantissa. The fp8 recipes and mxfp8 share one format (e4m3), so none is wider than
+        another: each widens to fp16, although :attr:`width` ranks them (tensorwise, rowwise,
+        rowwise with a high-precision weight gradient, blocks of 32: the more precise, the
+        wider).
         """
-        if self.is_fp8:
+        if self.is_fp8 or self.is_mx:
             return Precision.FP16
         i = self.width
         return _ORDER[i + 1] if i + 1 < len(_ORDER) else None
@@ -219,6 +242,7 @@ _ORDER = [
     Precision.FP8,
     Precision.FP8_ROWWISE,
     Precision.FP8_ROWWISE_GW_HP,
+    Precision.MXFP8,
     Precision.FP16,
     Precision.BF16,
     Precision.TF32,

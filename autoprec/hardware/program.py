@@ -46,7 +46,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from autoprec.precision import Precision, parse_precision
+from autoprec.precision import MX_BLOCK, Precision, parse_precision
 
 __all__ = [
     "CUDA_FP32_OPS",
@@ -180,7 +180,7 @@ class Cast:
 
 @dataclass(frozen=True)
 class Matmul:
-    """One matrix operation of the step, in ``dtype`` (fp8: ``"fp8"``)."""
+    """One matrix operation of the step, in ``dtype`` (fp8: ``"fp8"``, MX: ``"mxfp8"``)."""
 
     phase: str
     layer: str
@@ -332,6 +332,8 @@ class _Replay:
             compute = _promote([self.dtype[a] for a in args])
         if compute == "fp8":
             return self.float8(op, args)
+        if compute == "mxfp8":
+            return self.mx(op, args)
         for a in args:
             if self.dtype[a] != compute:
                 self.cast(a, compute, layer)
@@ -394,6 +396,31 @@ class _Replay:
             if out != "fp32":
                 self.cast(a, out, layer, cache=False)
         return out
+
+    def mx(self, op: FlowOp, args: list[int]) -> str:
+        """torchao's MXFP8Linear as the runtime runs it: its input in fp32 (its weight's dtype,
+        one cast at the boundary), each operand of each GEMM cast to e4m3 blocks with their
+        E8M0 scales (one per 32 elements), three MX GEMMs, an fp32 output."""
+        layer = op.layer
+        weights = [a for a in args if self.is_weight(a) and self.tensors[self.root(a)].dim == 2]
+        acts = [a for a in args if not self.is_weight(a)]
+        for a in acts:
+            if self.dtype[a] != "fp32":
+                self.cast(a, "fp32", layer)
+                self.dtype[a] = "fp32"
+        grad_numel = self.tensors[op.outs[0]].numel if op.outs else 0
+        numel = {"input": [self.tensors[a].numel for a in acts], "grad_output": [grad_numel]}
+        numel["weight"] = [self.tensors[self.root(w)].numel for w in weights]
+        for phase, gemms in (("forward", ("output",)), ("backward", ("grad_input", "grad_weight"))):
+            for gemm in gemms:
+                for role in _ROLES[gemm]:
+                    for n in numel[role]:
+                        weight = role == "weight"
+                        self.casts.append(Cast(phase, layer, "fp32", "fp8_e4m3", n, weight))
+                        scales = max(1, n // MX_BLOCK)
+                        self.casts.append(Cast(phase, layer, "fp32", "e8m0", scales, weight))
+                self.matmuls.append(Matmul(phase, layer, "_scaled_mm", "mxfp8"))
+        return "fp32"
 
     def _fp8_cast(
         self,

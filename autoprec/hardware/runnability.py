@@ -3,12 +3,12 @@
 This is the single table that the action masks, the cost model and the runtime read, so that a
 search never proposes a program production training cannot run.
 
-| kind        | fp32  | tf32  | bf16 / fp16 | fp8 (every recipe)                           |
-|-------------|-------|-------|-------------|----------------------------------------------|
-| ``conv``    | plain | TF32  | autocast    | no: no fp8 convolution kernel                |
-| ``linear``  | plain | TF32  | autocast    | torchao ``Float8Linear`` (K, N % 16 == 0)    |
-| ``matmul``  | plain | TF32  | autocast    | no: not an ``nn.Linear`` torchao can swap    |
-| ``attention`` | plain | TF32 | autocast   | no: its projections are not Linear modules   |
+| kind        | fp32  | tf32 | bf16, fp16 | fp8 (every recipe)         | mxfp8                    |
+|-------------|-------|------|------------|----------------------------|--------------------------|
+| conv        | plain | TF32 | autocast   | no: no fp8 conv kernel     | no                       |
+| linear      | plain | TF32 | autocast   | ``Float8Linear`` (K,N%16)  | ``MXFP8Linear`` (K,N%32) |
+| matmul      | plain | TF32 | autocast   | no: not a swappable Linear | no                       |
+| attention   | plain | TF32 | autocast   | no: no Linear projections  | no                       |
 
 (TF32: the TF32 switches, held through backward; autocast: ``torch.autocast``-style
 low-precision compute.)
@@ -28,6 +28,12 @@ low-precision compute.)
   target lacks altogether stays out (the cost model has no rate for it). The rowwise fp8
   recipes are emulated for ``nn.Linear`` layers only (their casts are defined per GEMM of a
   Linear), so they stay Linear-only in ``emulate`` mode too.
+- mxfp8 is torchao's MXFP8 training (``torchao.prototype.moe_training.mxfp8_linear.MXFP8Linear``)
+  on targets whose tensor cores read MX block scales (Blackwell: ``mxfp8`` in
+  ``supported_precisions``): ``nn.Linear`` only, in ``emulate`` mode too, with K and N
+  multiples of its block of 32 (every GEMM is blocked along its reduction dimension: K for the
+  output, N for the input gradient, and the tokens, M, for the weight gradient, which a batch
+  of a multiple of 32 tokens satisfies).
 
 This module imports neither torch nor torchao (``importlib.util.find_spec`` looks torchao up),
 so that masks and costs of a cached layer table need no torch.
@@ -42,7 +48,7 @@ from enum import Enum
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
-from autoprec.precision import Precision, parse_precision
+from autoprec.precision import MX_BLOCK, Precision, parse_precision
 
 if TYPE_CHECKING:
     from autoprec.graph.table import LayerRow, LayerTable
@@ -75,6 +81,7 @@ class Backend(str, Enum):
     TF32 = "tf32"  # fp32 storage, TF32 tensor-core math, forward and backward
     AUTOCAST = "autocast"  # low-precision compute as torch.autocast casts it
     FLOAT8 = "torchao.float8"  # torchao Float8Linear (the precision's recipe)
+    MX = "torchao.mx_formats"  # torchao MXFP8Linear (MXFP8 training, RCEIL scales)
     EMULATE = "emulate"  # autoprec's bit-exact emulation (emulate-mode targets)
 
     def __str__(self) -> str:
@@ -169,7 +176,11 @@ def runnability(
     if mode == "emulate":
         if p.is_fp8 and p is not Precision.FP8 and kind != "linear":
             return Verdict(p, None, f"the {p.recipe.name} fp8 recipe is for nn.Linear layers")
+        if p.is_mx and kind != "linear":
+            return Verdict(p, None, "mxfp8 training is for nn.Linear layers")
         return Verdict(p, Backend.EMULATE)
+    if p.is_mx:
+        return _mx(p, kind, features)
     if not p.is_fp8:
         return Verdict(p, _base(p))
     if kind == "conv":
@@ -186,6 +197,17 @@ def runnability(
     if not float8_available():
         return Verdict(p, None, 'torchao is not installed (pip install "autoprec[fp8]")')
     return Verdict(p, Backend.FLOAT8)
+
+
+def _mx(p: Precision, kind: str, features: tuple[int, int] | None) -> Verdict:
+    if kind != "linear":
+        return Verdict(p, None, "mxfp8 training is for nn.Linear layers (torchao MXFP8Linear)")
+    if features is not None and any(f % MX_BLOCK for f in features):
+        k, n = features
+        return Verdict(p, None, f"in/out features {k}x{n} not multiples of {MX_BLOCK} (MX blocks)")
+    if not float8_available():
+        return Verdict(p, None, 'torchao is not installed (pip install "autoprec[fp8]")')
+    return Verdict(p, Backend.MX)
 
 
 def verdict_for_row(

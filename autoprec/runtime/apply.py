@@ -190,18 +190,24 @@ class PolicyHandle:
         return f"PolicyHandle(mode={self.mode!r}, {state})"
 
     def emulated_float8(self, module: nn.Module, precision: Precision) -> nn.Module:
-        """Emulate mode's stand-in for an fp8-recipe Linear (:mod:`.float8_emulate`).
+        """Emulate mode's stand-in for an fp8-recipe or mxfp8 Linear (:mod:`.float8_emulate`).
 
         Raises:
             NotRunnableError: the layer is not an ``nn.Linear``.
         """
-        from autoprec.runtime.float8_emulate import EmulatedFloat8Linear, RecipeCasts
+        from autoprec.runtime.float8_emulate import (
+            EmulatedFloat8Linear,
+            EmulatedMXLinear,
+            RecipeCasts,
+        )
 
         if not isinstance(module, nn.Linear):
             raise NotRunnableError(
-                f"the {precision.recipe.name} fp8 recipe runs on nn.Linear layers, not on a "
+                f"{precision.value} runs on nn.Linear layers, not on a "
                 f"{type(module).__name__}; choose fp8 (tensorwise) or a 16-bit precision for it",
             )
+        if precision.is_mx:
+            return EmulatedMXLinear.from_linear(module)
         casts = RecipeCasts(precision, self.guard.count, self.region_format)
         return EmulatedFloat8Linear.from_linear(module, casts)
 
@@ -295,12 +301,12 @@ def apply_policy(
         unlisted = {
             n: m for n, m in tunable_layers(model) if n not in precisions and m not in _applied
         }
-        fp8 = {n: p for n, p in precisions.items() if p.is_fp8}
+        fp8 = {n: p for n, p in precisions.items() if p.is_8bit}
         if fp8:
             handle.float8 = native.Float8Swap(model, fp8)
-    elif any(p.is_fp8 and p is not Precision.FP8 for p in precisions.values()):
-        # the rowwise recipes cast per GEMM: their Linears run an emulating module
-        recipes = {n: p for n, p in precisions.items() if p.is_fp8 and p is not Precision.FP8}
+    elif any(p.is_8bit and p is not Precision.FP8 for p in precisions.values()):
+        # the rowwise recipes and MX cast per GEMM: their Linears run an emulating module
+        recipes = {n: p for n, p in precisions.items() if p.is_8bit and p is not Precision.FP8}
         handle.float8 = native.Float8Swap(model, recipes, build=handle.emulated_float8)
     for name, precision in precisions.items():
         handle._manage(name, modules[name], precision, listed=True)

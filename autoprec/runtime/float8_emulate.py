@@ -1,4 +1,5 @@
-"""Emulate mode's fp8 recipes on ``nn.Linear``: each of the three GEMMs with its own casts.
+"""Emulate mode's fp8 recipes and mxfp8 on ``nn.Linear``: each of the three GEMMs with its own
+casts.
 
 torchao's rowwise recipes cast the same tensor differently for each GEMM it enters (the input
 per token for the output, per input feature for the weight gradient; :data:`FLOAT8_RECIPES`),
@@ -20,6 +21,11 @@ torchao has ``torch._scaled_mm`` do (:meth:`RecipeCasts.result`). Inside the
 policy's autocast region (``stored``: bf16 or fp16) the layer reads its input in that format
 and writes its output and both gradients in it, as ``Float8Linear`` does under autocast; the
 bias is added after the GEMM in the output's format.
+
+mxfp8 is :class:`EmulatedMXLinear`: :func:`autoprec.kernels.mx_linear`, which reproduces torchao's
+``MXFP8Linear`` (its emulated kernel) bit for bit: e4m3 blocks of 32 along each GEMM's reduction
+dimension, RCEIL scales; it reads its input in the weight's dtype (fp32), as the native runtime
+hands it over.
 """
 
 from __future__ import annotations
@@ -28,12 +34,11 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
-from torch.nn import functional as F
 
-from autoprec.kernels import DynamicScaledCast, fake_quantize, quantize
-from autoprec.precision import OperandCast, Precision
+from autoprec.kernels import DynamicScaledCast, fake_quantize, mx_linear, quantize
+from autoprec.precision import MX_BLOCK, OperandCast, Precision
 
-__all__ = ["EmulatedFloat8Linear", "RecipeCasts"]
+__all__ = ["EmulatedFloat8Linear", "EmulatedMXLinear", "MXCasts", "RecipeCasts"]
 
 _OPERANDS = {"output": ("input", "weight"), "grad_input": ("grad_output", "weight")}
 _OPERANDS["grad_weight"] = ("grad_output", "input")
@@ -159,6 +164,41 @@ class EmulatedFloat8Linear(nn.Linear):
         return out
 
 
-def linear_reference(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """The unrounded computation (for tests and comparisons)."""
-    return F.linear(x, weight, bias)
+@dataclass
+class MXCasts:
+    """An mxfp8 layer's casting state for :class:`~.layer.ManagedLayer`: its module casts by
+    itself (``active`` False). MX blocks scale to their own amax, so nothing overflows; flushes
+    to zero are not counted (``counts()`` is zeros)."""
+
+    precision: Precision = Precision.MXFP8
+    count: bool = False
+    output_format: str | None = None
+
+    active = False
+
+    def counts(self) -> tuple[int, int]:
+        """(0, 0): see the class docstring."""
+        return 0, 0
+
+
+class EmulatedMXLinear(nn.Linear):
+    """An ``nn.Linear`` whose GEMMs run MXFP8 in emulation (built by :meth:`from_linear`,
+    sharing the original's parameters)."""
+
+    casts: MXCasts
+
+    @classmethod
+    def from_linear(cls, module: nn.Linear) -> EmulatedMXLinear:
+        """A module running ``module``'s very parameters in mxfp8."""
+        with torch.device("meta"):
+            new = cls(module.in_features, module.out_features, bias=False)
+        new.weight = module.weight
+        new.bias = module.bias
+        new.casts = MXCasts()
+        return new
+
+    def forward(self, input: Tensor) -> Tensor:  # noqa: D102
+        x = input.to(self.weight.dtype)  # MXFP8Linear reads its input in the weight's dtype
+        return mx_linear(
+            x, self.weight, self.bias, elem="fp8_e4m3", block_size=MX_BLOCK, scaling="rceil"
+        )

@@ -210,7 +210,7 @@ def apply_layer_scaling(
     if isinstance(history_len, bool) or not isinstance(history_len, int) or history_len < 1:
         raise ValueError(f"history_len must be an integer >= 1, got {history_len!r}")
     chosen = {parse_precision(p) for p in precisions}
-    if any(p.is_fp8 for p in chosen):
+    if any(p.scaled for p in chosen):
         raise ValueError(
             "fp8 layers already scale every tensor (from its current amax); leave fp8 out"
         )

@@ -53,8 +53,9 @@ __all__ = [
 
 LOW_DTYPES = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
 # On the CPU, autocast runs bf16 and fp16, torch._scaled_mm and torchao's float8 training run,
-# and the TF32 switches are accepted (a no-op there), so that any runnable policy can be run.
-CPU_NATIVE_PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "fp8")
+# torchao's MXFP8 training runs with its emulated kernel, and the TF32 switches are accepted (a
+# no-op there), so that any runnable policy can be run.
+CPU_NATIVE_PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "fp8", "mxfp8")
 
 
 @dataclass(frozen=True)
@@ -200,6 +201,14 @@ def enter_layer(
             frame.context.__enter__()
             args = tuple(cast_floating(a, dtype) for a in args)
         return args, kwargs, frame
+    if precision.is_mx:
+        # torchao's MXFP8Linear multiplies its input with its weight as they are (the same dtype
+        # required): it reads the fp32 master weight, so its input goes to fp32 once, autocast off
+        if outer:
+            frame.context = torch.autocast(device_type, enabled=False)
+            frame.context.__enter__()
+        args = tuple(cast_floating(a, weight_dtype) for a in args)
+        return args, kwargs, frame
     if precision in LOW_DTYPES:
         dtype = LOW_DTYPES[precision]
         if not (outer and torch.get_autocast_dtype(device_type) == dtype):
@@ -249,16 +258,16 @@ def exit_layer(frame: Frame, output: Any) -> Any:
 
 # --- fp8 ----------------------------------------------------------------------------------------
 class Float8Swap:
-    """fp8 modules in place of a model's fp8 ``nn.Linear`` layers, each with its recipe.
+    """8-bit modules in place of a model's fp8 and mxfp8 ``nn.Linear`` layers.
 
-    Natively they are torchao ``Float8Linear`` modules: ``torchao.float8
+    Natively an fp8 layer is a torchao ``Float8Linear``: ``torchao.float8
     .convert_to_float8_training`` swaps them, one call per recipe with
     ``Float8LinearConfig.from_recipe_name`` (``Float8Linear.from_float`` keeps the very same
-    ``Parameter`` objects). ``build`` replaces that (emulate mode's
-    :class:`~.float8_emulate.EmulatedFloat8Linear`). :meth:`restore` puts the original modules
-    back. A root module cannot be swapped in place, so a model that is itself the fp8 ``Linear``
-    runs the new module's ``forward`` in its own place instead (an instance attribute, deleted
-    on restore).
+    ``Parameter`` objects); an mxfp8 layer is a torchao ``MXFP8Linear`` (:func:`mx_module`).
+    ``build`` replaces both (emulate mode's :mod:`~.float8_emulate` modules). :meth:`restore`
+    puts the original modules back. A root module cannot be swapped in place, so a model that is
+    itself the swapped ``Linear`` runs the new module's ``forward`` in its own place instead (an
+    instance attribute, deleted on restore).
 
     Args:
         model: the model.
@@ -277,7 +286,10 @@ class Float8Swap:
         self.originals = {name: modules[name] for name in precisions}
         self.runners: dict[str, nn.Module] = {}
         if build is None:
-            self._torchao(model, precisions)
+            self._torchao(model, {n: p for n, p in precisions.items() if p.is_fp8})
+            for name, precision in precisions.items():
+                if precision.is_mx:
+                    self._place(name, mx_module(modules[name]))
         else:
             for name, precision in precisions.items():
                 runner = build(modules[name], precision)
@@ -291,7 +303,7 @@ class Float8Swap:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
         from torchao.float8.float8_linear import Float8Linear
 
-        for recipe in {p.recipe.name for p in precisions.values()}:
+        for recipe in sorted({p.recipe.name for p in precisions.values()}):
             config = Float8LinearConfig.from_recipe_name(recipe)
             wanted = {n for n, p in precisions.items() if p.recipe.name == recipe}
             if wanted - {""}:
@@ -306,10 +318,12 @@ class Float8Swap:
         self.runners.update({n: swapped[n] for n in precisions if n != ""})
 
     def _place(self, name: str, runner: nn.Module) -> None:
+        if name == "":
+            self.runners[""] = runner
+            return
         self.runners[name] = runner
-        if name:
-            parent_name, _, child = name.rpartition(".")
-            setattr(self.model.get_submodule(parent_name), child, runner)
+        parent_name, _, child = name.rpartition(".")
+        setattr(self.model.get_submodule(parent_name), child, runner)
 
     def restore(self, name: str) -> nn.Module:
         """Put layer ``name``'s original module back; returns it."""
@@ -325,3 +339,25 @@ class Float8Swap:
     def restore_all(self) -> None:
         for name in list(self.originals):
             self.restore(name)
+
+
+def mx_module(module: nn.Module) -> nn.Module:
+    """torchao's ``MXFP8Linear`` (RCEIL scales, e4m3 blocks of 32 in all three GEMMs) running
+    ``module``'s very parameters: cuBLAS's MX GEMM on a GPU (``KernelPreference.AUTO``),
+    torchao's emulated kernel elsewhere."""
+    from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+
+    cuda = module.weight.device.type == "cuda"
+    with torch.device("meta"):
+        new = MXFP8Linear(
+            module.in_features,
+            module.out_features,
+            bias=False,
+            kernel_preference=KernelPreference.AUTO if cuda else KernelPreference.EMULATED,
+            scale_calculation_mode=ScaleCalculationMode.RCEIL,
+        )
+    new.weight = module.weight
+    new.bias = module.bias
+    return new

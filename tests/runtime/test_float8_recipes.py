@@ -160,3 +160,41 @@ def test_precision_facts_of_the_recipes():
     assert rowwise.wider() is Precision.FP16 and Precision.FP8.width < rowwise.width
     with pytest.raises(ValueError, match="not an fp8 recipe"):
         _ = Precision.BF16.recipe
+
+
+# --- mxfp8 (torchao's MXFP8 training, emulated kernel on this CPU) -----------------------------
+
+
+@pytest.mark.parametrize("region", [False, True])
+def test_mxfp8_emulation_equals_torchaos_mxfp8_linear_bit_for_bit(region):
+    """Native mxfp8 is torchao's MXFP8Linear (its emulated kernel here); emulate mode's
+    EmulatedMXLinear (autoprec.kernels.mx_linear) gives the same output and gradients, inside
+    a bf16 region too (the layer reads fp32, its weight's dtype), and MX rounding shows."""
+    pytest.importorskip("torchao.prototype.moe_training")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64, bias=False), nn.ReLU(), nn.Linear(64, 32))
+    policy = {"2": "mxfp8", **({"0": "bf16"} if region else {})}
+    x, g = _inputs(4, 32)
+    exact = _step(model, x, g)
+    with apply_policy(model, policy, mode="native"):
+        assert type(model[2]).__name__ == "MXFP8Linear"
+        want = _step(model, x, g)
+    with apply_policy(model, policy, mode="emulate"):
+        assert type(model[2]).__name__ == "EmulatedMXLinear"
+        got = _step(model, x, g)
+    for a, b, c in zip(got, want, exact, strict=True):
+        assert torch.equal(a, b)
+    assert not torch.equal(got[0], exact[0]) and torch.equal(got[-1], exact[-1])  # bias: exact
+
+
+def test_mxfp8_runs_on_blackwell_linears_with_blocks_of_32():
+    from autoprec.hardware import get_device
+
+    b200, h100 = get_device("b200"), get_device("h100-sxm")
+    assert b200.supports("mxfp8") and not h100.supports("mxfp8")
+    assert runnability("linear", "mxfp8", b200, features=(64, 32)).runnable
+    blocks = runnability("linear", "mxfp8", b200, features=(64, 48))
+    assert not blocks.runnable and "32" in blocks.reason
+    assert not runnability("conv", "mxfp8", b200, mode="emulate").runnable
+    assert not runnability("linear", "mxfp8", h100, features=(64, 32)).runnable
+    assert Precision.MXFP8.hardware == "mxfp8" and Precision.MXFP8.wider() is Precision.FP16
