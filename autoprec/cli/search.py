@@ -160,6 +160,7 @@ class _SearchRun:
         self.tracker: Any = None  # the SearchTracker once the search starts
         self.problem: Any = None
         self.exporter: Exporter | None = None
+        self.rules: list[tuple[str, Any, float]] = []  # the hand rules' metrics and rewards
 
     # -- phases --
     def main(self) -> int:
@@ -188,6 +189,7 @@ class _SearchRun:
                         self.tracker.close("KILLED")
                 return 130
         amp = self._amp_metrics(problem)
+        self.rules = self._hand_rule_metrics(problem)
         written = self._export(result, amp, interrupted=False)
         self._finish_tracking(result, written, amp, status="FINISHED")
         if self.o["verify"] and written is not None:
@@ -364,6 +366,22 @@ class _SearchRun:
         )
         self.phases["tracking"] = self.phases.get("tracking", 0.0) + time.perf_counter() - begin
 
+    def _hand_rule_metrics(self, problem: Any) -> list[tuple[str, Any, float]]:
+        """``(name, metrics, reward)`` of each hand-written fp8 rule that applies
+        (:mod:`autoprec.agents.hand_rules`; cached if the agent tried it), for the comparison
+        printed beside the searched policy."""
+        from autoprec.agents.hand_rules import hand_rule_policies
+
+        rules = hand_rule_policies(problem)
+        if not rules:
+            return []
+        out = []
+        with self._phase("hand rules"):
+            for name, policy in rules:
+                metrics = problem.evaluate(policy)
+                out.append((name, metrics, problem.reward(metrics)))
+        return out
+
     def _amp_metrics(self, problem: Any) -> Any:
         """Real metrics of the target's blanket AMP policy (cached if the agent tried it)."""
         from autoprec.hardware.defaults import amp_policy
@@ -410,7 +428,7 @@ class _SearchRun:
         begin = time.perf_counter()
         policy = self._best_policy(result, interrupted)
         amp_reward = None if amp is None else self.problem.reward(amp)
-        written = self.exporter.export(result, policy, amp, amp_reward)
+        written = self.exporter.export(result, policy, amp, amp_reward, self.rules)
         self.phases["export"] = time.perf_counter() - begin
         return written
 

@@ -7,6 +7,7 @@ folder (else the temporary folder, else printed on stdout) and the error says wh
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,7 +54,14 @@ class Exporter:
     pareto_dir: Path | None
     policy_saved: bool = False  # whether the best policy's file is written
 
-    def export(self, result: Any, policy: Any, amp: Any, amp_reward: float | None) -> Path | None:
+    def export(
+        self,
+        result: Any,
+        policy: Any,
+        amp: Any,
+        amp_reward: float | None,
+        rules: Sequence[tuple[str, Any, float]] = (),
+    ) -> Path | None:
         """Write the best policy, the trials and the Pareto files; returns the best policy's
         path (None when no real evaluation finished).
 
@@ -62,6 +70,8 @@ class Exporter:
             policy: its best policy, ready to save (None: no real evaluation finished).
             amp: the metrics of the target's AMP (None: not compared, e.g. interrupted).
             amp_reward: AMP's reward under the search's reward.
+            rules: ``(name, metrics, reward)`` of the hand-written fp8 rules, compared with
+                the best policy in one line.
 
         Raises:
             SearchExportError: a file cannot be written (the best policy is kept elsewhere).
@@ -71,7 +81,7 @@ class Exporter:
 
         out = self.out
         try:
-            return self._write(result, policy, amp, amp_reward)
+            return self._write(result, policy, amp, amp_reward, rules)
         except OSError as err:
             failed = err.filename or out
             why = err.strerror or str(err)
@@ -90,7 +100,14 @@ class Exporter:
                 "once there is room"
             ) from None
 
-    def _write(self, result: Any, policy: Any, amp: Any, amp_reward: float | None) -> Path | None:
+    def _write(
+        self,
+        result: Any,
+        policy: Any,
+        amp: Any,
+        amp_reward: float | None,
+        rules: Sequence[tuple[str, Any, float]] = (),
+    ) -> Path | None:
         """The files of :meth:`export`, the best policy first (the one that matters most)."""
         from autoprec.cache import write_csv
         from autoprec.policy_io import save_policy
@@ -117,6 +134,8 @@ class Exporter:
         )
         if amp_reward is not None:
             self._compare_with_amp(best, amp, amp_reward)
+        if rules:
+            self._compare_with_rules(best, rules)
         if self.pareto_dir:
             self._write_pareto(result, self.pareto_dir)
         return out
@@ -147,6 +166,16 @@ class Exporter:
                 f"[yellow]no policy better than AMP was found[/] (AMP reward "
                 f"{amp_reward:.3f} >= best {best.reward:.3f}); the best found is written"
             )
+
+    def _compare_with_rules(self, best: Any, rules: Sequence[tuple[str, Any, float]]) -> None:
+        """One line: the best hand-written fp8 rule under the reward, and whether the searched
+        policy beats it."""
+        name, m, reward = max(rules, key=lambda r: r[2])
+        verdict = "better than" if best.reward > reward else "[yellow]not better than[/]"
+        self.console.print(
+            f"{verdict} the best of {len(rules)} hand-written fp8 rules, {name} "
+            f"({m.speedup:.2f}x, loss delta {m.loss_delta:+.4f}, reward {reward:.3f})"
+        )
 
     def _write_pareto(self, result: Any, folder: Path) -> None:
         """``pareto_NNN.yaml`` per Pareto point and ``pareto.csv`` listing them."""
