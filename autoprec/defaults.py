@@ -8,3 +8,8 @@ from __future__ import annotations
 # random policies differently from one batch order to the next; on `teacher` the ranking
 # repeats (docs/benchmarks.md, "Policy evaluator", written by experiments/bench_evaluator.py).
 DEFAULT_DATASET = "teacher"
+
+# The data of a language model (a token-classification model whose classes are its vocabulary,
+# such as the zoo's `llama`) when none is named: next-token prediction on sequences from a
+# random recurrent teacher. Other token models keep `tokens`.
+LANGUAGE_MODEL_DATASET = "teacher-text"

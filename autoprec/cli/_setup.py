@@ -9,9 +9,12 @@ from typing import Any, TypeVar
 
 import click
 
-from autoprec.defaults import DEFAULT_DATASET
+from autoprec.defaults import DEFAULT_DATASET, LANGUAGE_MODEL_DATASET
 
 F = TypeVar("F", bound=Callable[..., Any])
+#: The production batch the cost model prices when none is named (a common per-GPU batch of
+#: the image models it was first built for).
+DEFAULT_TRAIN_BATCH = 256
 
 FALLBACK_TARGET = "h100-sxm"
 SMALL_IMAGE = 32  # fine-tuning image size for torchvision models on a CPU
@@ -84,7 +87,8 @@ def model_options(*, required: bool, purpose: str) -> Callable[[F], F]:
         click.option(
             "--dataset",
             default=None,
-            help=f"Data for fine-tuning (default: {DEFAULT_DATASET}; tokens for token models).",
+            help=f"Data for fine-tuning (default: {DEFAULT_DATASET}; tokens for token models, "
+            f"{LANGUAGE_MODEL_DATASET} for language models).",
         ),
         click.option(
             "--data-dir", type=click.Path(), default=None, help="Folder for cifar/imagefolder."
@@ -99,9 +103,22 @@ def model_options(*, required: bool, purpose: str) -> Callable[[F], F]:
     return lambda command: _apply(options, command)
 
 
+def train_shape_option(command: F) -> F:
+    """``--train-shape NAME``: a named production shape of the model for the cost."""
+    return click.option(
+        "--train-shape",
+        default=None,
+        metavar="NAME",
+        help="Production shape for the cost, for models that have named ones (llama: "
+        "llama3-8b, ...; see `autoprec models`): the model's own depth and layer names at that "
+        "model's widths, heads, vocabulary and sequence length.",
+    )(command)
+
+
 def evaluator_options(command: F) -> F:
     """The options :func:`build_evaluator` reads beside the model, data and target: ``--seed``,
-    ``--num-classes``, ``--image-size``, ``--train-batch-size``, ``--train-image-size``."""
+    ``--num-classes``, ``--image-size``, ``--train-batch-size``, ``--train-image-size``,
+    ``--train-shape``."""
     options = [
         click.option("--seed", type=int, default=0, show_default=True),
         click.option("--num-classes", type=int, default=10, show_default=True),
@@ -114,9 +131,9 @@ def evaluator_options(command: F) -> F:
         click.option(
             "--train-batch-size",
             type=int,
-            default=256,
-            show_default=True,
-            help="Production batch size: the step time and memory are predicted for it.",
+            default=None,
+            help="Production batch size: the step time and memory are predicted for it "
+            f"(default {DEFAULT_TRAIN_BATCH}; at a --train-shape, that shape's per-GPU batch).",
         ),
         click.option(
             "--train-image-size",
@@ -125,6 +142,7 @@ def evaluator_options(command: F) -> F:
             help="Production image size for the cost (default: the model's own, 224 for "
             "torchvision).",
         ),
+        train_shape_option,
     ]
     return _apply(options, command)
 
@@ -147,13 +165,50 @@ def check_writable(folders: Iterable[Path], error: type[Exception]) -> None:
             raise error(f"cannot write to {folder}: {err.strerror or err}") from None
 
 
+def production_spec(
+    spec: Any,
+    name: str,
+    num_classes: int,
+    train_shape: str | None = None,
+    train_image_size: int | None = None,
+) -> Any:
+    """The model ``name`` as production trains it, for the cost model: at the named shape
+    ``train_shape`` (built on the meta device: only its shapes are analysed, and its weights
+    could take many GB), else, for an image model, at ``train_image_size``; else ``spec``.
+
+    Raises:
+        autoprec.models.ModelError: the model has no shape ``train_shape`` (the message lists
+            the valid names).
+    """
+    from autoprec.models import load_model
+
+    if train_shape is not None:
+        import torch
+
+        with torch.device("meta"):
+            return load_model(name, num_classes=num_classes, shape=train_shape)
+    if train_image_size is not None and len(spec.input_shape) == 3:
+        return load_model(name, num_classes=num_classes, image_size=train_image_size)
+    return spec
+
+
+def _cost_batch(o: dict[str, Any]) -> int:
+    """``--train-batch-size``, else the named shape's per-GPU batch, else
+    :data:`DEFAULT_TRAIN_BATCH`; written back into ``o`` for what is printed and logged."""
+    if o.get("train_batch_size") is None:
+        from autoprec.models.llama import PRODUCTION_BATCH
+
+        o["train_batch_size"] = PRODUCTION_BATCH if o.get("train_shape") else DEFAULT_TRAIN_BATCH
+    return o["train_batch_size"]
+
+
 def build_evaluator(o: dict[str, Any], device: Any, fidelity: str = "short") -> Any:
     """Model, data and evaluator from the shared options: fine-tuning at ``--image-size``
     (:data:`SMALL_IMAGE` for torchvision models) on ``--dataset`` (None: the default for the
     model's task, written back into ``o["dataset"]`` for what is printed and logged), costs at
-    ``--train-batch-size`` and ``--train-image-size`` (default: the model's own), feasibility
-    in ``--target-mode``."""
-    from autoprec.data import default_dataset, load_dataset_for
+    ``--train-batch-size`` and ``--train-shape`` or ``--train-image-size`` (default: the
+    model's own; :func:`production_spec`), feasibility in ``--target-mode``."""
+    from autoprec.data import load_dataset_for
     from autoprec.evaluate import Evaluator
     from autoprec.models import load_model
 
@@ -162,17 +217,17 @@ def build_evaluator(o: dict[str, Any], device: Any, fidelity: str = "short") -> 
     image_size = o["image_size"]
     if image_size is None and len(spec.input_shape) == 3 and spec.input_shape[-1] == 224:
         image_size = SMALL_IMAGE
-    cost_spec = spec
-    if o["train_image_size"] is not None and len(spec.input_shape) == 3:
-        cost_spec = load_model(name, num_classes=classes, image_size=o["train_image_size"])
+    cost_spec = production_spec(
+        spec, name, classes, o.get("train_shape"), o.get("train_image_size")
+    )
     if image_size is not None:
         spec = load_model(name, num_classes=classes, image_size=image_size)
     data_kwargs: dict[str, Any] = {"seed": o["seed"]}
     if o["data_dir"]:
         data_kwargs["root"] = o["data_dir"]
-    if o["dataset"] is None:
-        o["dataset"] = default_dataset(spec.task)
     data = load_dataset_for(spec, o["dataset"], **data_kwargs)
+    if o["dataset"] is None:  # the default for the model's task, named for what is printed
+        o["dataset"] = data.name
     return Evaluator(
         spec,
         data,
@@ -181,6 +236,6 @@ def build_evaluator(o: dict[str, Any], device: Any, fidelity: str = "short") -> 
         steps=o["steps"],
         seed=o["seed"],
         cost_spec=cost_spec,
-        cost_batch_size=o["train_batch_size"],
+        cost_batch_size=_cost_batch(o),
         target_mode=o.get("target_mode") or "native",
     )

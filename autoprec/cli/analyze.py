@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from autoprec.cli._setup import SMALL_IMAGE
+from autoprec.cli._setup import SMALL_IMAGE, train_shape_option
 from autoprec.defaults import DEFAULT_DATASET
 
 #: Without a terminal, a progress line on stderr at most this often (seconds).
@@ -137,6 +137,7 @@ def _coverage(table) -> str:
     help=f"Input size for image models (default {SMALL_IMAGE}, which keeps a CPU analysis quick; "
     "token models take none).",
 )
+@train_shape_option
 @click.option("--batch-size", type=int, default=8, show_default=True)
 @click.option("--batches", type=int, default=4, show_default=True)
 @click.option("--precisions", default="fp32,tf32,bf16,fp16,fp8", show_default=True)
@@ -162,6 +163,7 @@ def analyze(
     download,
     num_classes,
     image_size,
+    train_shape,
     batch_size,
     batches,
     precisions,
@@ -178,7 +180,7 @@ def analyze(
     from rich.console import Console
     from rich.table import Table
 
-    from autoprec.cli._setup import resolve_target
+    from autoprec.cli._setup import production_spec, resolve_target
     from autoprec.data import load_dataset_for
     from autoprec.graph import analyze as analyze_model
     from autoprec.graph import sensitivity
@@ -190,7 +192,8 @@ def analyze(
     if image_size is None and model_task(model_name) in (None, "image-classification"):
         image_size = SMALL_IMAGE  # a user factory (task unknown until built) is offered it too
     spec = load_model(model_name, num_classes=num_classes, image_size=image_size)
-    table = analyze_model(spec, batch_size)
+    # the layer table at the production shape if named (same layer names), on the meta device
+    table = analyze_model(production_spec(spec, model_name, num_classes, train_shape), batch_size)
     runnable = describe(device, table)
     reasons: list[str] = []  # footnotes of the "native" column
     sens = None

@@ -38,3 +38,9 @@ def models(family: str | None, as_json: bool) -> None:
     if not console.is_terminal:  # piped: rich would assume 80 columns and cut the table
         console = Console(width=120)
     console.print(table)
+    shaped = [r for r in rows if r.get("shapes")]
+    if shaped:
+        console.print("named production shapes, for the cost (--train-shape NAME):")
+        for r in shaped:
+            for shape, description in r["shapes"].items():
+                console.print(f"  {r['name']} {shape}: {description}", highlight=False)

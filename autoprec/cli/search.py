@@ -338,6 +338,7 @@ class _SearchRun:
                 "precisions": o["precisions"],
                 "train_batch_size": o["train_batch_size"],
                 "train_image_size": o["train_image_size"],
+                "train_shape": o.get("train_shape"),
                 "image_size": o["image_size"],
                 "num_classes": o["num_classes"],
                 "study_name": self._search_name(),
@@ -394,22 +395,10 @@ class _SearchRun:
     def _verify(self, policy_path: Path) -> None:
         """``autoprec verify`` of the exported policy with the small defaults of ``--verify``,
         at the rate the warm start learnt at (the configured one unless it backed off)."""
-        from autoprec.cli.verify import run_verification
-        from autoprec.verify import VerifyConfig
+        from autoprec.cli.verify import run_verification, search_verify_config
 
         o = self.o
-        evaluator = self.problem.evaluator
-        shape = evaluator.spec.input_shape  # the shape the search trained at
-        config = VerifyConfig(
-            lr=evaluator.warm_start_lr,  # a rate fp32 learns at from fresh weights
-            steps=SEARCH_VERIFY_STEPS,
-            seeds=tuple(range(o["seed"], o["seed"] + SEARCH_VERIFY_SEEDS)),
-            tolerance=o["accuracy_tolerance"],
-            dataset=o["dataset"],
-            data_dir=o["data_dir"],
-            num_classes=o["num_classes"],
-            image_size=shape[-1] if len(shape) == 3 else None,
-        )
+        config = search_verify_config(self.problem.evaluator, o)
         tracking = {"enabled": not o["no_mlflow"], "uri": o["tracking_uri"]}
         with self._phase("verification"):
             run_verification(

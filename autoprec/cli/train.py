@@ -25,7 +25,7 @@ import click
 
 from autoprec.cli._setup import model_shape_options
 from autoprec.cli.mlflow_options import experiment_option, no_mlflow_option, tracking_uri_option
-from autoprec.defaults import DEFAULT_DATASET
+from autoprec.defaults import DEFAULT_DATASET, LANGUAGE_MODEL_DATASET
 from autoprec.policy_fields import TARGET_MODES
 
 
@@ -38,7 +38,12 @@ from autoprec.policy_fields import TARGET_MODES
     type=click.Path(dir_okay=False),
     help="Policy file (YAML or JSON), e.g. what `autoprec search` exported.",
 )
-@click.option("--dataset", default=DEFAULT_DATASET, show_default=True, help="Training data.")
+@click.option(
+    "--dataset",
+    default=None,
+    help=f"Training data (default: {DEFAULT_DATASET}; tokens for token models, "
+    f"{LANGUAGE_MODEL_DATASET} for language models).",
+)
 @model_shape_options
 @click.option("--steps", type=int, default=None, help="Optimizer steps in total.")
 @click.option("--epochs", type=int, default=None, help="Epochs in total (default 1).")
@@ -64,7 +69,7 @@ from autoprec.policy_fields import TARGET_MODES
 def train(
     model_name: str,
     policy_file: str,
-    dataset: str,
+    dataset: str | None,
     data_dir: str | None,
     num_classes: int,
     image_size: int | None,

@@ -1,5 +1,5 @@
-"""Datasets shaped for a model: offline ones (digits, synthetic, tokens) and ones on disk
-(cifar10, cifar100, imagefolder).
+"""Datasets shaped for a model: offline ones (digits, teacher, synthetic, tokens, teacher-text)
+and ones on disk (cifar10, cifar100, imagefolder).
 
 Example:
     >>> from autoprec.data import load_dataset
@@ -14,6 +14,7 @@ from __future__ import annotations
 from autoprec.data._base import DataBundle, DatasetError
 from autoprec.data.registry import (
     default_dataset,
+    is_language_model,
     list_datasets,
     load_dataset,
     load_dataset_for,
@@ -23,6 +24,7 @@ __all__ = [
     "DataBundle",
     "DatasetError",
     "default_dataset",
+    "is_language_model",
     "list_datasets",
     "load_dataset",
     "load_dataset_for",

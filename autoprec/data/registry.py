@@ -15,6 +15,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from autoprec.data._base import DataBundle, DataRequest, DatasetError
@@ -22,7 +23,8 @@ from autoprec.data.digits import load_digits_bundle
 from autoprec.data.folders import load_cifar_bundle, load_imagefolder_bundle
 from autoprec.data.synthetic import load_synthetic_bundle, load_tokens_bundle
 from autoprec.data.teacher import load_teacher_bundle
-from autoprec.defaults import DEFAULT_DATASET
+from autoprec.data.teacher_text import load_teacher_text_bundle
+from autoprec.defaults import DEFAULT_DATASET, LANGUAGE_MODEL_DATASET
 
 _IMAGE = ("image-classification",)
 _TOKENS = ("sequence-classification", "token-classification")
@@ -62,6 +64,13 @@ _REGISTRY: dict[str, _Entry] = {
         _TOKENS,
         None,
     ),
+    "teacher-text": _Entry(
+        load_teacher_text_bundle,
+        "token sequences from a fixed random recurrent teacher, labelled by the next token "
+        "(language modelling); offline",
+        ("token-classification",),
+        None,
+    ),
     "cifar10": _Entry(
         load_cifar_bundle,
         "CIFAR-10 from --data-dir (train = official train, val = official test)",
@@ -94,12 +103,33 @@ TASK_DATASETS: dict[str, str] = {
 }
 
 
-def default_dataset(task: str) -> str:
-    """The dataset for a model of ``task`` when none is named (:data:`TASK_DATASETS`)."""
+def default_dataset(task: str, *, language_model: bool = False) -> str:
+    """The dataset for a model of ``task`` when none is named (:data:`TASK_DATASETS`).
+
+    Args:
+        task: the model's task.
+        language_model: the model predicts tokens of its own vocabulary (see
+            :func:`is_language_model`): a token-classification one then gets
+            :data:`~autoprec.defaults.LANGUAGE_MODEL_DATASET` (next-token prediction).
+    """
     key = getattr(task, "value", task)
     if key not in TASK_DATASETS:
         raise DatasetError(f"unknown task {key!r}; expected one of {', '.join(TASK_DATASETS)}")
+    if language_model and key == "token-classification":
+        return LANGUAGE_MODEL_DATASET
     return TASK_DATASETS[key]
+
+
+def is_language_model(spec: Any) -> bool:
+    """Whether ``spec`` (``task``, ``num_classes``, ``vocab_size``) predicts a token of its own
+    vocabulary at each position: token-classification with as many classes as token ids."""
+    task = getattr(spec, "task", None)
+    vocab = getattr(spec, "vocab_size", None)
+    return (
+        getattr(task, "value", task) == "token-classification"
+        and vocab is not None
+        and getattr(spec, "num_classes", None) == vocab
+    )
 
 
 def list_datasets() -> list[dict[str, Any]]:
@@ -186,7 +216,8 @@ def load_dataset_for(spec: Any, name: str | None = None, **kwargs: Any) -> DataB
     ``vocab_size`` attributes, e.g. ``autoprec.models.ModelSpec``).
 
     ``name`` None takes the default for the spec's task (:func:`default_dataset`: ``tokens``
-    for models that read token ids). Keyword arguments are passed to :func:`load_dataset` and
+    for models that read token ids, ``teacher-text`` for language models, see
+    :func:`is_language_model`). Keyword arguments are passed to :func:`load_dataset` and
     override the spec's values.
     """
     settings: dict[str, Any] = {
@@ -197,5 +228,8 @@ def load_dataset_for(spec: Any, name: str | None = None, **kwargs: Any) -> DataB
         raise DatasetError(f"{type(spec).__name__} has no input_shape; pass input_shape=...")
     settings.update(kwargs)
     if name is None:
-        name = default_dataset(settings["task"] or "image-classification")
+        language_model = is_language_model(SimpleNamespace(**settings))
+        name = default_dataset(
+            settings["task"] or "image-classification", language_model=language_model
+        )
     return load_dataset(name, **settings)

@@ -11,7 +11,7 @@ Example:
 
 from __future__ import annotations
 
-from autoprec.models.registry import list_models, load_model, model_task
+from autoprec.models.registry import list_models, load_model, model_shapes, model_task
 from autoprec.models.spec import ModelError, ModelSpec, Task, UnknownModelError
 
 __all__ = [
@@ -21,5 +21,6 @@ __all__ = [
     "UnknownModelError",
     "list_models",
     "load_model",
+    "model_shapes",
     "model_task",
 ]

@@ -1,9 +1,11 @@
 """Small built-in models for tests, demos and quick searches: ``mlp``, ``tinycnn``,
-``tinytransformer``.
+``tinytransformer`` and ``llama``.
 
 They build in milliseconds and train in seconds on a CPU. The image models default to
 ``(1, 8, 8)`` inputs, the native size of scikit-learn's digits; the transformer reads sequences
-of 16 token ids from a vocabulary of 64.
+of 16 token ids from a vocabulary of 64. ``llama`` (:mod:`autoprec.models.llama`) is a 4-block
+Llama-style decoder predicting the next of 64 tokens from a vocabulary of 512; it alone has
+named production shapes (``llama3-8b``, ...) for the cost model.
 
 Example:
     >>> from autoprec.layers import tunable_layers
@@ -14,12 +16,13 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
+from autoprec.models import llama
 from autoprec.models.spec import ModelError, ModelSpec, Task
 
 DEFAULT_IMAGE_SIZE = 8
@@ -120,13 +123,28 @@ class TinyTransformer(nn.Module):
         return self.head(x)
 
 
+Builder = Callable[[int, int | None, int | None, int | None], ModelSpec]
+ShapeBuilder = Callable[[str, int | None, int | None, int | None], ModelSpec]
+
+
 @dataclass(frozen=True)
 class BuiltinEntry:
-    """One built-in model: its builder, task and default input shape (for listings)."""
+    """One built-in model: its builder, task and default input shape (for listings).
 
-    build: Callable[[int, int | None, int | None, int | None], ModelSpec]
+    Attributes:
+        build: ``(num_classes, image_size, in_channels, seq_len) -> ModelSpec``.
+        task: what it predicts.
+        input_shape: its default input, without the batch.
+        shapes: its named production shapes, name to a one-line description (none: ``{}``).
+        build_shape: ``(shape, image_size, in_channels, seq_len) -> ModelSpec``, the model at a
+            named shape with the layer names of the default one; None when it has no shapes.
+    """
+
+    build: Builder
     task: str
     input_shape: tuple[int, ...]
+    shapes: Mapping[str, str] = field(default_factory=dict)
+    build_shape: ShapeBuilder | None = None
 
 
 def _image_shape(name: str, image_size: int | None, in_channels: int | None, low: int) -> tuple:
@@ -176,5 +194,12 @@ BUILTIN_MODELS: dict[str, BuiltinEntry] = {
     "tinycnn": BuiltinEntry(build_tinycnn, "image-classification", (1, 8, 8)),
     "tinytransformer": BuiltinEntry(
         build_tinytransformer, "sequence-classification", (DEFAULT_SEQ_LEN,)
+    ),
+    "llama": BuiltinEntry(
+        llama.build_llama,
+        "token-classification",
+        (llama.DEFAULT_CONFIG.seq_len,),
+        shapes={name: config.describe() for name, config in llama.PRODUCTION_SHAPES.items()},
+        build_shape=llama.build_llama_shape,
     ),
 }

@@ -50,12 +50,13 @@ def load_model(
     in_channels: int | None = None,
     seq_len: int | None = None,
     seed: int | None = 0,
+    shape: str | None = None,
 ) -> ModelSpec:
     """Build a model by name, with random weights (nothing is downloaded).
 
     Args:
         name: a torchvision classification model (``resnet50``, ``vit_b_16``, ...), a built-in
-            model (``mlp``, ``tinycnn``, ``tinytransformer``), a Hugging Face model
+            model (``mlp``, ``tinycnn``, ``tinytransformer``, ``llama``), a Hugging Face model
             (``bert-tiny``, ``gpt2-small``; needs ``pip install autoprec[hf]``) or the user's
             own ``"package.module:factory"``.
         num_classes: size of the classification head.
@@ -66,13 +67,18 @@ def load_model(
         seed: the random initial weights are drawn from ``torch.manual_seed(seed)`` (the
             global RNG is left as it was), so the same call builds the same weights in every
             process; None draws from the global RNG as plain construction would.
+        shape: a named production shape of the model (:func:`model_shapes`; ``llama``'s
+            ``llama3-8b``, ...): its widths, heads, vocabulary and sequence length with the
+            default model's depth and layer names, for the cost model. Build it under
+            ``with torch.device("meta"):``, as its weights can take many GB.
 
     Returns:
         The model with its input shape and dtype, task, loss and example batches.
 
     Raises:
         UnknownModelError: no family knows ``name``; the message suggests close names.
-        ModelError: the model cannot be built as asked (image size, missing extra, ...).
+        ModelError: the model cannot be built as asked (image size, missing extra, a shape
+            it does not have, ...).
     """
     if not isinstance(num_classes, int) or num_classes < 1:
         raise ModelError(f"num_classes must be a positive int, got {num_classes!r}")
@@ -81,11 +87,32 @@ def load_model(
             raise ModelError(f"{arg} must be a positive int or None, got {value!r}")
     if seq_len is not None and (not isinstance(seq_len, int) or seq_len < 1):
         raise ModelError(f"seq_len must be a positive int or None, got {seq_len!r}")
+    if shape is not None:
+        _check_shape(name.strip(), shape)
     if seed is None:
-        return _build(name.strip(), num_classes, image_size, in_channels, seq_len)
+        return _build(name.strip(), num_classes, image_size, in_channels, seq_len, shape)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return _build(name.strip(), num_classes, image_size, in_channels, seq_len)
+        return _build(name.strip(), num_classes, image_size, in_channels, seq_len, shape)
+
+
+def model_shapes(name: str) -> dict[str, str]:
+    """The named production shapes of zoo model ``name``, name to a one-line description;
+    ``{}`` for a model without any (every model but ``llama`` today)."""
+    entry = BUILTIN_MODELS.get(name.strip().lower())
+    return dict(entry.shapes) if entry is not None else {}
+
+
+def _check_shape(name: str, shape: str) -> None:
+    shapes = model_shapes(name)
+    if not shapes:
+        having = [n for n, entry in BUILTIN_MODELS.items() if entry.shapes]
+        raise ModelError(
+            f"model {name!r} has no named shapes; models with named shapes: {', '.join(having)}"
+            " (image models take a production image size instead)"
+        )
+    if shape not in shapes:
+        raise ModelError(f"unknown shape {shape!r} for {name}; expected one of {', '.join(shapes)}")
 
 
 def _build(
@@ -94,7 +121,13 @@ def _build(
     image_size: int | None,
     in_channels: int | None,
     seq_len: int | None,
+    shape: str | None = None,
 ) -> ModelSpec:
+    if shape is not None:
+        build_shape = BUILTIN_MODELS[name.lower()].build_shape
+        if build_shape is None:  # an entry with shapes and no builder for them
+            raise ModelError(f"model {name!r} lists shapes but cannot build them")
+        return build_shape(shape, image_size, in_channels, seq_len)
     if is_user_path(name):
         return build_user(name, num_classes, image_size, in_channels, seq_len)
     key = name.lower()
@@ -134,13 +167,17 @@ def list_models(family: str | None = None) -> list[dict[str, Any]]:
 
     Returns:
         One dict per model: ``name``, ``family``, ``task``, ``input_shape`` (default, without the
-        batch) and ``available`` (False for Hugging Face models without transformers).
+        batch) and ``available`` (False for Hugging Face models without transformers); a model
+        with named production shapes also has ``shapes`` (name to description, see
+        :func:`model_shapes`).
     """
     if family is not None and family not in FAMILIES:
         raise ModelError(f"unknown family {family!r}; expected one of {', '.join(FAMILIES)}")
     rows: list[dict[str, Any]] = []
     for name, entry in BUILTIN_MODELS.items():
         rows.append(_row(name, "builtin", entry.task, entry.input_shape))
+        if entry.shapes:
+            rows[-1]["shapes"] = dict(entry.shapes)
     have_hf = hf_available()
     for name, hf_entry in HF_MODELS.items():
         rows.append(_row(name, "hf", hf_entry.task, hf_entry.input_shape, available=have_hf))

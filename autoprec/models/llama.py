@@ -1,0 +1,316 @@
+"""``llama``: a Llama-style decoder (RMSNorm, rotary attention with grouped KV heads, SwiGLU).
+
+Module names follow torchtitan's Llama, so that a filter written for torchtitan (``output``,
+``attention.wk``, ...) reads the same here::
+
+    tok_embeddings                      nn.Embedding(vocab, dim)
+    layers.{i}.attention_norm           RMSNorm(dim)
+    layers.{i}.attention.{wq,wk,wv,wo}  nn.Linear, no bias (wk, wv: n_kv_heads * head_dim wide)
+    layers.{i}.ffn_norm                 RMSNorm(dim)
+    layers.{i}.feed_forward.{w1,w2,w3}  nn.Linear, no bias: w2(silu(w1(x)) * w3(x))
+    norm                                RMSNorm(dim)
+    output                              nn.Linear(dim, vocab), no bias (untied by default)
+
+The tunable layers are the seven Linears of each block and ``output``; the embedding and the
+norms are not. Attention is ``F.scaled_dot_product_attention(is_causal=True)`` with each KV head
+repeated for its ``n_heads / n_kv_heads`` query heads; rotary embeddings rotate adjacent pairs
+of each head's features (Meta's and torchtitan's convention).
+
+The zoo's default (:class:`LlamaConfig`) has 4 blocks of width 256, 8 heads and 2 KV heads, a
+SwiGLU width of 768 and a vocabulary of 512, on 64 tokens: it fine-tunes on a CPU, and every
+Linear's features are multiples of 16, as torchao's float8 training needs. The task is
+next-token prediction (``token-classification``: labels ``(B, T)``, one class per token id).
+
+:data:`PRODUCTION_SHAPES` are the widths of Meta's Llama 3 models (Meta's and torchtitan's
+published configs), for pricing the fine-tuned model as it would be trained in production:
+``load_model("llama", shape="llama3-8b")`` keeps the zoo model's depth (so the layer names are
+the same) and takes the widths, heads, vocabulary and sequence length of the named model. Its
+cost is that of a slice of as many blocks of the production model; each layer's FLOPs and
+bytes are the production ones, but the embedding and ``output`` weigh more in a slice than in
+the whole model. Build it on the meta device (``with torch.device("meta"):``): the analysis
+needs only shapes, and the weights would take many GB.
+
+Example:
+    >>> from autoprec.models import load_model
+    >>> spec = load_model("llama")
+    >>> [n for n, _ in spec.module.named_modules() if n.startswith("layers.0.feed_forward.")]
+    ['layers.0.feed_forward.w1', 'layers.0.feed_forward.w2', 'layers.0.feed_forward.w3']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from autoprec.models.spec import ModelError, ModelSpec, Task
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """The shape of a :class:`Llama`.
+
+    Args:
+        dim: model width.
+        n_layers: decoder blocks.
+        n_heads: query heads; ``dim`` must be ``n_heads * head_dim`` with an even ``head_dim``.
+        n_kv_heads: key/value heads; must divide ``n_heads``.
+        ffn_hidden: SwiGLU width (``w1``, ``w3`` out, ``w2`` in).
+        vocab_size: token ids, and the output classes.
+        seq_len: the longest sequence (size of the rotary tables).
+        norm_eps: RMSNorm's epsilon.
+        rope_theta: rotary base.
+        tie_embeddings: ``output`` shares ``tok_embeddings``' weight.
+    """
+
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int = 2
+    ffn_hidden: int = 768
+    vocab_size: int = 512
+    seq_len: int = 64
+    norm_eps: float = 1e-5
+    rope_theta: float = 10_000.0
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        for field in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < 1:
+                raise ModelError(f"llama: {field} must be a positive int, got {value!r}")
+        if not isinstance(self.seq_len, int) or self.seq_len < 1:
+            raise ModelError(f"llama needs seq_len >= 1, got {self.seq_len!r}")
+        if self.dim % self.n_heads or (self.dim // self.n_heads) % 2:
+            raise ModelError(
+                f"llama: dim {self.dim} must be n_heads ({self.n_heads}) times an even head "
+                "width; change dim or n_heads"
+            )
+        if self.n_heads % self.n_kv_heads:
+            raise ModelError(
+                f"llama: n_kv_heads {self.n_kv_heads} must divide n_heads {self.n_heads}"
+            )
+        if not self.norm_eps > 0 or not self.rope_theta > 1:
+            raise ModelError(
+                f"llama: norm_eps must be > 0 and rope_theta > 1, got {self.norm_eps!r}, "
+                f"{self.rope_theta!r}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head."""
+        return self.dim // self.n_heads
+
+    def describe(self) -> str:
+        """``dim 4096, ffn 14336, 32 heads (8 KV), vocab 128256, seq 8192, 32 layers``."""
+        return (
+            f"dim {self.dim}, ffn {self.ffn_hidden}, {self.n_heads} heads ({self.n_kv_heads} KV), "
+            f"vocab {self.vocab_size}, seq {self.seq_len}, {self.n_layers} layers"
+        )
+
+
+DEFAULT_CONFIG = LlamaConfig()
+
+#: Meta's Llama 3 (3.1) widths, as in Meta's and torchtitan's published configs (ffn from
+#: ``ffn_dim_multiplier`` and ``multiple_of``); ``n_layers`` is the production depth, which
+#: :func:`build_llama_shape` replaces by the zoo model's.
+#: Sequences per GPU in a production step, the cost model's batch at a named shape (unless
+#: ``--train-batch-size`` says otherwise): torchao's and torchtitan's Llama3 float8 and MXFP8
+#: benchmarks train "batch size 1, sequence length 8192" per GPU (pytorch/ao
+#: torchao/prototype/mx_formats/README.md, B200 table; torchao/float8/README.md).
+PRODUCTION_BATCH = 1
+
+PRODUCTION_SHAPES: dict[str, LlamaConfig] = {
+    "llama3-8b": LlamaConfig(4096, 32, 32, 8, 14336, 128256, 8192, rope_theta=500_000.0),
+    "llama3-70b": LlamaConfig(8192, 80, 64, 8, 28672, 128256, 8192, rope_theta=500_000.0),
+    "llama3-405b": LlamaConfig(16384, 126, 128, 8, 53248, 128256, 8192, rope_theta=500_000.0),
+}
+
+
+def _wide(x: Tensor) -> torch.dtype:
+    """The dtype norms and rotations compute in: fp32, or the input's if wider."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+class RMSNorm(nn.RMSNorm):
+    """``nn.RMSNorm`` over the last dimension, computed in fp32 (or wider) and returned in the
+    input's dtype, as torchtitan's and Meta's: a low-precision activation is normalised in
+    fp32."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__(dim, eps=eps)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x.to(_wide(x))).type_as(x)
+
+
+def rotary_tables(
+    head_dim: int, seq_len: int, theta: float, dtype: torch.dtype = torch.float32
+) -> tuple[Tensor, Tensor]:
+    """``(cos, sin)`` of shape ``(seq_len, head_dim // 2)``: position ``t`` rotates pair ``i``
+    by ``t * theta ** (-2i / head_dim)``."""
+    freqs = theta ** (-torch.arange(0, head_dim, 2, dtype=dtype) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=dtype), freqs)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate adjacent feature pairs of ``x`` ``(B, T, heads, head_dim)`` by position."""
+    pairs = x.to(_wide(x)).unflatten(-1, (-1, 2))
+    even, odd = pairs[..., 0], pairs[..., 1]
+    cos, sin = cos[:, None, :], sin[:, None, :]  # (T, 1, head_dim // 2): broadcast over heads
+    out = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
+    """``(B, T, kv_heads, D)`` to ``(B, T, kv_heads * n_rep, D)``: query head ``h`` reads KV
+    head ``h // n_rep``."""
+    if n_rep == 1:
+        return x
+    b, t, kv, d = x.shape
+    return x[:, :, :, None, :].expand(b, t, kv, n_rep, d).reshape(b, t, kv * n_rep, d)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with rotary embeddings and grouped KV heads."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = (
+            config.n_heads, config.n_kv_heads, config.head_dim,
+        )  # fmt: skip
+        self.wq = nn.Linear(config.dim, config.n_heads * config.head_dim, bias=False)
+        self.wk = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
+        self.wv = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
+        self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        b, t, _ = x.shape
+        q = self.wq(x).view(b, t, self.n_heads, self.head_dim)
+        k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        n_rep = self.n_heads // self.n_kv_heads
+        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: ``w2(silu(w1(x)) * w3(x))``."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm residual block: attention, then the SwiGLU feed-forward."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention = Attention(config)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.feed_forward = FeedForward(config.dim, config.ffn_hidden)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama(nn.Module):
+    """A Llama-style decoder; ``forward(ids)`` maps ``(B, T)`` token ids to ``(B, T, vocab)``
+    next-token logits. See the module docstring for the layout and names.
+
+    Args:
+        config: its shape; None: :data:`DEFAULT_CONFIG`.
+    """
+
+    def __init__(self, config: LlamaConfig | None = None) -> None:
+        super().__init__()
+        self.config = config = DEFAULT_CONFIG if config is None else config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerBlock(config) for i in range(config.n_layers)}
+        )
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        cos, sin = rotary_tables(config.head_dim, config.seq_len, config.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)  # not weights: not saved
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        t = ids.shape[1]
+        if t > self.config.seq_len:
+            raise ModelError(
+                f"llama: a sequence of {t} tokens is longer than seq_len {self.config.seq_len}; "
+                "build the model with a larger seq_len"
+            )
+        cos, sin = self.rope_cos[:t], self.rope_sin[:t]
+        h = self.tok_embeddings(ids)
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        return self.output(self.norm(h))
+
+
+def _spec(config: LlamaConfig) -> ModelSpec:
+    return ModelSpec.for_tokens(
+        "llama", Llama(config), config.seq_len, Task.TOKEN_CLASSIFICATION, config.vocab_size,
+        config.vocab_size, family="builtin",
+    )  # fmt: skip
+
+
+def _check_tokens_only(image_size: int | None, in_channels: int | None) -> None:
+    if image_size is not None or in_channels is not None:
+        raise ModelError("llama reads token ids; image_size and in_channels do not apply")
+
+
+def build_llama(
+    num_classes: int, image_size: int | None, in_channels: int | None, seq_len: int | None
+) -> ModelSpec:
+    """The zoo's llama (:data:`DEFAULT_CONFIG`, ``seq_len`` tokens if given).
+
+    ``num_classes`` does not apply: a language model's classes are its vocabulary
+    (``spec.num_classes == spec.vocab_size``), whatever is asked.
+    """
+    _check_tokens_only(image_size, in_channels)
+    length = DEFAULT_CONFIG.seq_len if seq_len is None else seq_len
+    return _spec(dataclasses.replace(DEFAULT_CONFIG, seq_len=length))
+
+
+def build_llama_shape(
+    shape: str, image_size: int | None, in_channels: int | None, seq_len: int | None
+) -> ModelSpec:
+    """The zoo's llama at the widths of :data:`PRODUCTION_SHAPES` ``[shape]``, with the zoo's
+    depth (same layer names); ``seq_len`` None takes the shape's.
+
+    Raises:
+        ModelError: ``shape`` is not a name of :data:`PRODUCTION_SHAPES`.
+    """
+    _check_tokens_only(image_size, in_channels)
+    if shape not in PRODUCTION_SHAPES:
+        raise ModelError(
+            f"unknown shape {shape!r} for llama; expected one of {', '.join(PRODUCTION_SHAPES)}"
+        )
+    named = PRODUCTION_SHAPES[shape]
+    config = dataclasses.replace(
+        named,
+        n_layers=DEFAULT_CONFIG.n_layers,
+        seq_len=named.seq_len if seq_len is None else seq_len,
+        tie_embeddings=DEFAULT_CONFIG.tie_embeddings,
+    )
+    return _spec(config)
