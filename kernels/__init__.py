@@ -18,14 +18,13 @@ from .mx import (
     MX_SCALING_MODES,
     NVFP4_BLOCK_SIZE,
     BlockQuantized,
-    MXLinearFunction,
-    mx_linear,
     mx_quantize,
     mx_round,
     nvfp4_quantize,
     nvfp4_round,
     nvfp4_tensor_scale,
 )
+from .mx_linear import MXLinearFunction, mx_linear
 from .quantize import ROUNDING_MODES, quantize, quantize_with_counts
 from .scaling import (
     AMAX_EPS,

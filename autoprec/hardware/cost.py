@@ -82,14 +82,14 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from autoprec.hardware.database import DeviceSpec, get_device
 from autoprec.hardware.efficiency import CostModelError, Efficiency, default_efficiency
 from autoprec.hardware.factors import ROWWISE_GEMM_EFFICIENCY
+from autoprec.hardware.memory import STORAGE_BYTES, layer_memory
 from autoprec.hardware.program import Program, program, region_of
-from autoprec.precision import FORMAT_FACTS, PRECISION_NAMES, Precision, parse_precision
+from autoprec.precision import PRECISION_NAMES, Precision, parse_precision
 
 if TYPE_CHECKING:
     from autoprec.graph.table import LayerRow, LayerTable
@@ -402,16 +402,6 @@ class CostModel:
         return seconds
 
 
-def layer_memory(row: LayerRow, precision: Precision, scale: float = 1.0) -> tuple[float, float]:
-    """``(low-precision weight copy, saved activations)``: the bytes of one layer in a step
-    that depend on its precision (:meth:`CostModel.step`'s ``low_precision_weights`` and
-    ``activations``; a copy only below fp32's width). ``scale`` multiplies the table's batch.
-    """
-    ratio = _ratio(precision)
-    low = row.params * ratio * 4 if ratio < 1 else 0.0
-    return low, row.input_bytes * scale * ratio + row.output_bytes * scale
-
-
 def _seconds(cost: LayerCost) -> float:
     return cost.forward_s + cost.backward_s
 
@@ -436,13 +426,8 @@ def _precision_lookup(policy: Any) -> Any:
         ) from None
 
 
-#: Bytes one value of each format occupies (tf32 lives in a 32-bit container).
-STORAGE_BYTES: Mapping[str, int] = MappingProxyType(
-    {name: facts.storage_bytes for name, facts in FORMAT_FACTS.items()}
-)
-
-
-_CAST_BYTES = {**STORAGE_BYTES, "fp64": 8}  # torchao computes fp8 scales through fp64
+# torchao computes fp8 scales through fp64; MX block scales are one byte each (E8M0)
+_CAST_BYTES = {**STORAGE_BYTES, "fp64": 8, "e8m0": 1}
 
 
 def _ratio(precision: Precision) -> float:
