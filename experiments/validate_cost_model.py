@@ -4,9 +4,13 @@ For every entry of experiments/published_speedups.yaml the script asks the cost 
 (autoprec.hardware.CostModel) for the speedup of the compare precision over the baseline one and
 sets it beside the published ratio. Model entries: whole training steps of a torchvision model
 (every tunable layer at one precision, analysed at each side's batch size, with each side's
-memory format as the source ran it); gemm entries: one Linear layer's forward GEMM. Target:
-|predicted / published - 1| <= 25% on the ratio; absolute images/s are printed only as context.
-Rows that miss are listed under the table with the entry's ``miss_note``.
+memory format as the source ran it); gemm entries: one Linear layer's forward GEMM (its three
+GEMMs, forward and backward, for ``scope: linear_fwd_bwd``); transformer entries: end-to-end
+fp8-vs-bf16 training of a full-depth Llama, priced per GPU by experiments/transformer_rows.py
+and reported in a table of their own. Target: |predicted / published - 1| <= 25% on the ratio;
+absolute images/s and tokens/s are printed only as context. Rows that miss are listed under
+their table with the entry's ``miss_note``; transformer rows that cannot be priced (no device,
+shape or single published figure) are listed with the reason.
 
     python experiments/validate_cost_model.py                 # print the table
     python experiments/validate_cost_model.py --write-docs    # also write docs/cost-model.md
@@ -21,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformer_rows
 import yaml
 from benchlib import provenance, write_section
 
@@ -38,6 +43,7 @@ INTRO = (
     "(`experiments/published_speedups.yaml`, each entry with its source).\n"
 )
 TOLERANCE = 0.25
+KINDS = ("model", "gemm", "transformer")
 
 
 @dataclass
@@ -55,7 +61,7 @@ def parse() -> Args:
     p.add_argument("--data", type=Path, default=a.data)
     p.add_argument("--optimizer", default=a.optimizer)
     p.add_argument("--tolerance", type=float, default=a.tolerance)
-    p.add_argument("--only", nargs="*", choices=["model", "gemm"], default=[])
+    p.add_argument("--only", nargs="*", choices=list(KINDS), default=[])
     p.add_argument("--write-docs", action="store_true")
     ns = p.parse_args()
     return Args(
@@ -76,8 +82,10 @@ def load_entries(path: Path) -> list[dict[str, Any]]:
         for key in ("source", "kind", "device", "baseline", "compare"):
             if key not in e:
                 raise ValueError(f"{path}: entry {i} has no {key!r}")
-        if e["kind"] not in ("model", "gemm"):
-            raise ValueError(f"{path}: entry {i}: kind must be model or gemm, got {e['kind']!r}")
+        if e["kind"] not in KINDS:
+            raise ValueError(
+                f"{path}: entry {i}: kind must be one of {', '.join(KINDS)}, got {e['kind']!r}"
+            )
     return entries
 
 
@@ -165,29 +173,48 @@ def predict_model(e: dict[str, Any], cm: Any, optimizer: str) -> dict[str, float
 
 
 def predict_gemm(e: dict[str, Any], cm: Any) -> dict[str, float]:
+    """The forward GEMM's time; with ``scope: linear_fwd_bwd``, all three GEMMs' (no casts)."""
     from autoprec.graph import analyze
 
     m, n, k = (int(e["shape"][d]) for d in ("m", "n", "k"))
     table = analyze(_LinearSpec(k, n), m)
     (row,) = table.rows
-    t_base = cm.layer_cost(row, e["baseline"]["precision"]).forward_s
-    t_cmp = cm.layer_cost(row, e["compare"]["precision"]).forward_s
+    both = e.get("scope") == "linear_fwd_bwd"
+    t_base, t_cmp = (
+        _gemm_s(cm.layer_cost(row, e[side]["precision"]), both) for side in ("baseline", "compare")
+    )
     return {"baseline_s": t_base, "compare_s": t_cmp, "ratio": t_base / t_cmp}
 
 
-def evaluate(e: dict[str, Any], cost_model_cls: Any, args: Args) -> dict[str, Any]:
-    cm = cost_model_cls(e["device"])
-    pred = predict_model(e, cm, args.optimizer) if e["kind"] == "model" else predict_gemm(e, cm)
-    published = published_ratio(e)
+def _gemm_s(cost: Any, backward: bool) -> float:
+    return cost.forward_s + (cost.backward_s if backward else 0.0)
+
+
+def evaluate(e: dict[str, Any], cost_model_cls: Any, args: Args) -> dict[str, Any] | str:
+    """The prediction beside the published ratio; for an unpriceable row, the reason."""
+    if e["kind"] == "transformer":
+        reason = transformer_rows.unpriced_reason(e)
+        if reason:
+            return reason
+        pred = transformer_rows.predict(e, cost_model_cls(e["device"]))
+        published = transformer_rows.published(e)
+    else:
+        cm = cost_model_cls(e["device"])
+        model = e["kind"] == "model"
+        pred = predict_model(e, cm, args.optimizer) if model else predict_gemm(e, cm)
+        published = published_ratio(e)
     err = pred["ratio"] / published - 1
     return {"pred": pred, "published": published, "error": err, "ok": abs(err) <= args.tolerance}
 
 
 # ------------------------------------------------------------------------------------ the report
 def workload(e: dict[str, Any]) -> str:
+    if e["kind"] == "transformer":
+        return transformer_rows.workload(e)
     if e["kind"] == "gemm":
         s = e["shape"]
-        return f"GEMM m={s['m']} n={s['n']} k={s['k']} (fwd)"
+        scope = "fwd+bwd" if e.get("scope") == "linear_fwd_bwd" else "fwd"
+        return f"GEMM m={s['m']} n={s['n']} k={s['k']} ({scope})"
     b, c = e["baseline"], e["compare"]
     bs = e.get("batch_size")
     sizes = f"bs {b.get('batch_size', bs)}/{c.get('batch_size', bs)}"
@@ -199,6 +226,8 @@ def workload(e: dict[str, Any]) -> str:
 def side_label(e: dict[str, Any], side: str) -> str:
     """``tf32 NCHW`` for a model row, the precision alone for a GEMM row."""
     precision = e[side]["precision"]
+    if e["kind"] == "transformer" and side == "compare":
+        return transformer_rows.recipe(e)
     if e["kind"] != "model":
         return precision
     layout = {"contiguous": "NCHW", "channels_last": "NHWC"}
@@ -210,31 +239,42 @@ def short_source(e: dict[str, Any]) -> str:
     return f"[{text}]({e['url']})" if e.get("url") else text
 
 
-def rows(entries: list[dict[str, Any]], results: list[dict[str, Any] | str]) -> list[str]:
+def rows(
+    entries: list[dict[str, Any]], results: list[dict[str, Any] | str], unit: str = "images/s"
+) -> list[str]:
     lines = [
         "| source | device | workload | precisions | published | predicted | error | within "
-        "25%? | images/s per GPU, published -> predicted |",
+        f"25%? | {unit} per GPU, published -> predicted |",
         "|---|---|---|---|---:|---:|---:|---|---|",
     ]
     for e, r in zip(entries, results, strict=True):
-        device = e["device"] + (" (proxy)" if e.get("device_proxy") else "")
+        device = (e["device"] or "not stated") + (" (proxy)" if e.get("device_proxy") else "")
         precs = f"{side_label(e, 'baseline')} -> {side_label(e, 'compare')}"
         head = f"| {short_source(e)} | {device} | {workload(e)} | {precs} |"
         if isinstance(r, str):
-            lines.append(f"{head} {published_ratio(e):.2f}x | - | - | not run: {r} | - |")
+            lines.append(f"{head} {published_text(e)} | - | - | not run: {r} | - |")
             continue
-        ctx = "-"
-        if e["kind"] == "model":
-            pb, pc = per_gpu(e["baseline"], e), per_gpu(e["compare"], e)
-            ctx = (
-                f"{pb:.0f} -> {r['pred']['baseline_ips']:.0f}; "
-                f"{pc:.0f} -> {r['pred']['compare_ips']:.0f}"
-            )
         lines.append(
             f"{head} {r['published']:.2f}x | {r['pred']['ratio']:.2f}x | {r['error']:+.0%} | "
-            f"{'yes' if r['ok'] else 'no'} | {ctx} |"
+            f"{'yes' if r['ok'] else 'no'} | {context(e, r)} |"
         )
     return lines
+
+
+def published_text(e: dict[str, Any]) -> str:
+    if e["kind"] == "transformer":
+        return transformer_rows.published_text(e)
+    return f"{published_ratio(e):.2f}x"
+
+
+def context(e: dict[str, Any], r: dict[str, Any]) -> str:
+    """Published -> predicted throughput per GPU, where the row gives throughputs."""
+    if e["kind"] == "transformer":
+        return transformer_rows.context(e, r["pred"])
+    if e["kind"] != "model":
+        return "-"
+    pb, pc, pred = per_gpu(e["baseline"], e), per_gpu(e["compare"], e), r["pred"]
+    return f"{pb:.0f} -> {pred['baseline_ips']:.0f}; {pc:.0f} -> {pred['compare_ips']:.0f}"
 
 
 def summary(results: list[dict[str, Any] | str], tolerance: float) -> str:
@@ -273,6 +313,56 @@ def write_docs(body: str) -> None:
     write_section("validate_cost_model", body, path=DOCS)
 
 
+def report(
+    entries: list[dict[str, Any]], results: list[dict[str, Any] | str], args: Args, unit: str
+) -> str:
+    """A table, its summary line and the rows outside the target with their reasons."""
+    text = "\n".join(rows(entries, results, unit)) + "\n\n" + summary(results, args.tolerance)
+    missed = misses(entries, results)
+    if missed:
+        text += "\n\nRows outside the target, and why:\n\n" + "\n".join(missed)
+    notes = [
+        f"- {workload(e)}, {side_label(e, 'compare')}: {e['pricing_note']}"
+        for e in entries
+        if e.get("pricing_note")
+    ]
+    if notes:
+        text += "\n\nHow these rows are priced:\n\n" + "\n".join(notes)
+    return text
+
+
+def header(args: Args, n: int) -> str:
+    root = HERE.parent
+    data = args.data.resolve()
+    data = data.relative_to(root) if data.is_relative_to(root) else args.data
+    return provenance("python experiments/validate_cost_model.py --write-docs") + (
+        f"Data: `{data}`"
+        f" ({n} entries). Ratio = compare speed / baseline speed. Model rows: one "
+        f"training step (`CostModel.step`, optimizer `{args.optimizer}`) with every tunable layer "
+        "at the named precision, at the published per-GPU batch size of each side; images/s per "
+        "GPU are context only. GEMM rows: the forward GEMM of one `Linear(k, n)` on m rows "
+        "(`CostModel.layer_cost(...).forward_s`; fwd+bwd: its three GEMMs, forward and "
+        "backward, without casts). NCHW/NHWC: the memory format each side ran with "
+        "(`CostModel.step(memory_format=...)`). AMP in NVIDIA's PyTorch examples is fp16 "
+        "autocast. `(proxy)`: the measured GPU is not in the device database and the named slug "
+        "stands in (see each entry's note)."
+    )
+
+
+TRANSFORMER_INTRO = (
+    "### Transformer training, fp8 vs bf16\n\n"
+    "End-to-end training throughput of Llama models with fp8 Linears against bf16 (AMP), as "
+    "published. Each row is priced per GPU by `experiments/transformer_rows.py`: the Llama at "
+    "the row's shape with its full depth, analysed on the meta device at the published "
+    "per-GPU batch of `seq_len`-token sequences, one `CostModel.step` (optimizer `adamw`) "
+    "with every Linear bf16 against one with every Linear at the recipe except `output` "
+    "(torchtitan's Llama 3 configs leave it in bf16: their float8 `filter_fqns` names it). "
+    "Precisions are autoprec's, the source's recipe name in brackets. Communication (FSDP, "
+    "tensor parallelism, the fp8 all-gather), activation recomputation and power limits are "
+    "not modelled; tokens/s per GPU are context only."
+)
+
+
 def main(args: Args | None = None, cost_model_cls: Any = None) -> list[dict[str, Any] | str]:
     args = args or parse()
     if cost_model_cls is None:
@@ -284,35 +374,16 @@ def main(args: Args | None = None, cost_model_cls: Any = None) -> list[dict[str,
             results.append(evaluate(e, cost_model_cls, args))
         except Exception as exc:  # noqa: BLE001 - one bad entry must not hide the others
             results.append(f"{type(exc).__name__}: {exc}".replace("|", "/")[:120])
-    table = "\n".join(rows(entries, results))
-    root = HERE.parent
-    data = (
-        args.data.resolve().relative_to(root)
-        if args.data.resolve().is_relative_to(root)
-        else args.data
-    )
-    header = provenance("python experiments/validate_cost_model.py --write-docs") + (
-        f"Data: `{data}`"
-        f" ({len(entries)} entries). Ratio = compare speed / baseline speed. Model rows: one "
-        f"training step (`CostModel.step`, optimizer `{args.optimizer}`) with every tunable layer "
-        "at the named precision, at the published per-GPU batch size of each side; images/s per "
-        "GPU are context only. GEMM rows: the forward GEMM of one `Linear(k, n)` on m rows "
-        "(`CostModel.layer_cost(...).forward_s`). NCHW/NHWC: the memory format each side ran with "
-        "(`CostModel.step(memory_format=...)`). AMP in NVIDIA's PyTorch examples is fp16 "
-        "autocast. `(proxy)`: the measured GPU is not in the device database and the named slug "
-        "stands in (see each entry's note)."
-    )
-    line = summary(results, args.tolerance)
-    missed = misses(entries, results)
-    if missed:
-        line += "\n\nRows outside the target, and why:\n\n" + "\n".join(missed)
-    print(header)
-    print()
-    print(table)
-    print()
-    print(line)
+    parts = [header(args, len(entries))]
+    for kinds, unit in ((("model", "gemm"), "images/s"), (("transformer",), "tokens/s")):
+        picked = [i for i, e in enumerate(entries) if e["kind"] in kinds]
+        if picked:
+            body = report([entries[i] for i in picked], [results[i] for i in picked], args, unit)
+            parts.append(body if unit == "images/s" else f"{TRANSFORMER_INTRO}\n\n{body}")
+    text = "\n\n".join(parts)
+    print(text)
     if args.write_docs:
-        write_docs(f"## Validation against published speedups\n\n{header}\n\n{table}\n\n{line}\n")
+        write_docs(f"## Validation against published speedups\n\n{text}\n")
     return results
 
 

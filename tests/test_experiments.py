@@ -405,3 +405,69 @@ def test_traps_quick(tmp_path):
         assert r["unsafe choices"] == "none" and r["trap layer precisions"] != "bf16"
         assert _num(r["median speedup"]) > 0
     assert section.count(": passes (") == 2
+
+
+# ----------------------------------------------------------------------- validate_cost_model
+TINY_LLAMA = {"hidden": 64, "ffn": 128, "layers": 3, "heads": 4, "kv_heads": 2, "vocab": 256}
+
+
+def _transformer_row(**changes) -> dict:
+    row = {
+        "source": "a test row",
+        "kind": "transformer",
+        "model": "tiny-llama",
+        "shape": TINY_LLAMA,
+        "seq_len": 32,
+        "device": "h100-sxm",
+        "gpus": 8,
+        "batch_size": 2,
+        "baseline": {"precision": "bf16", "throughput": 100.0},
+        "compare": {"precision": "fp8_rowwise", "recipe": "rowwise", "throughput": 120.0},
+    }
+    return {**row, **changes}
+
+
+def _tiny_llama_table():
+    """The oracle's own analysis of the test row's Llama: all 3 blocks, 2 x 32 tokens."""
+    import torch
+
+    from autoprec.graph import analyze
+    from autoprec.models import ModelSpec, Task
+    from autoprec.models.llama import Llama, LlamaConfig
+
+    config = LlamaConfig(64, 3, 4, 2, 128, 256, 32)
+    with torch.device("meta"):
+        module = Llama(config)
+    spec = ModelSpec.for_tokens("t", module, 32, Task.TOKEN_CLASSIFICATION, 256, 256, "builtin")
+    return analyze(spec, 2)
+
+
+def test_validate_cost_model_prices_transformer_rows(tmp_path, capsys):
+    from autoprec.hardware import CostModel
+
+    vcm = _load_script("validate_cost_model")
+    data = tmp_path / "rows.yaml"
+    data.write_text(yaml.safe_dump([_transformer_row(), _transformer_row(device=None)]))
+    priced, unpriced = vcm.main(vcm.Args(data=data, only=["transformer"]))
+    table = _tiny_llama_table()
+    names = [row.name for row in table.rows]
+    assert len(names) == 7 * 3 + 1 and names[-1] == "output"  # full depth, every Linear
+    cm = CostModel("h100-sxm")
+    step = {
+        side: cm.step(table, policy, optimizer="adamw").step_time_s
+        for side, policy in (
+            ("bf16", dict.fromkeys(names, "bf16")),
+            ("fp8", {n: "bf16" if n == "output" else "fp8_rowwise" for n in names}),
+        )
+    }
+    ratio = step["bf16"] / step["fp8"]
+    assert priced["pred"]["ratio"] == pytest.approx(ratio, rel=1e-9)
+    assert priced["published"] == pytest.approx(1.2)
+    assert priced["error"] == pytest.approx(ratio / 1.2 - 1)
+    assert priced["pred"]["baseline_tps"] == pytest.approx(2 * 32 / step["bf16"])
+    assert unpriced == "the source gives no device"  # listed with its reason, not dropped
+    out = capsys.readouterr().out
+    assert "not run: the source gives no device" in out and " of 1** entries" in out
+    wrong = _transformer_row(model="llama3-8b")  # widths that are not Llama 3 8B's
+    with pytest.raises(ValueError, match="PRODUCTION_SHAPES"):
+        sys.modules["transformer_rows"].llama_config(wrong)

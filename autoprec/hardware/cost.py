@@ -33,10 +33,11 @@ kernel overhead per kernel):
   :mod:`autoprec.hardware.program`: a cast where a tensor meets a layer of another dtype,
   weights once per step, autocast's fp32 operations on CUDA, autograd's casts of promoted
   gradients, torchao's fp8 casts with their amax read). Each is one kernel that reads the
-  source and writes the target. A table without a recorded flow (built by hand) falls back to
-  one cast wherever a layer's storage format differs from its predecessor's in execution
-  order, forward and backward, a weight copy per low layer, and for fp8 one extra read of input
-  and weight.
+  source and writes the target; a torchao fp8 cast is priced as ``torch.compile`` fuses it
+  (:func:`autoprec.hardware.memory.cast_traffic`). A table without a recorded flow (built by
+  hand) falls back to one cast wherever a layer's storage format differs from its
+  predecessor's in execution order, forward and backward, a weight copy per low layer, and for
+  fp8 one extra read of input and weight.
 - Element-wise and normalisation work (``other_s``): the analysis measures, on the meta
   device, the bytes read and written and the number of kernels of every op that is not a
   matmul or convolution (norms, activations, pooling, residual adds, softmax), forward and
@@ -87,7 +88,12 @@ from typing import TYPE_CHECKING, Any
 from autoprec.hardware.database import DeviceSpec, get_device
 from autoprec.hardware.efficiency import CostModelError, Efficiency, default_efficiency
 from autoprec.hardware.factors import ROWWISE_GEMM_EFFICIENCY
-from autoprec.hardware.memory import STORAGE_BYTES, layer_memory
+from autoprec.hardware.memory import (
+    STORAGE_BYTES,
+    activation_ratio,
+    cast_traffic,
+    layer_memory,
+)
 from autoprec.hardware.program import Program, program, region_of
 from autoprec.precision import PRECISION_NAMES, Precision, parse_precision
 
@@ -320,7 +326,10 @@ class CostModel:
                     cast_s += self._memory_s(row.weight_bytes * (1 + ratio))
                 if p.is_fp8:  # amax of input and weight
                     cast_s += self._memory_s(in_bytes + row.weight_bytes)
-            low, saved = layer_memory(row, p, scale)
+            # an 8-bit layer's output (and the input torchao saves) stay in the activations'
+            # dtype: fp8 operands exist only inside its GEMMs
+            ratio = activation_ratio(p, high)
+            low, saved = layer_memory(row, p, scale, ratio)
             low_weights += low
             activations += saved
             if row.other_bytes_forward >= 0:  # measured traffic of the non-matmul ops
@@ -387,19 +396,9 @@ class CostModel:
         return program(flow, {row.name: lookup(row.name) for row in table.rows}, self.device_type)
 
     def _casts_s(self, prog: Program, scale: float) -> float:
-        """Seconds of the casts of ``prog``: each reads its source and writes its target (one
-        kernel); a cast to fp8 also reads its source once more for the amax (tensorwise
-        scaling). Activations scale with the batch, weights do not."""
-        seconds = 0.0
-        for c in prog.casts:
-            numel = c.numel if c.weight else c.numel * scale
-            nbytes = numel * (_CAST_BYTES[c.source] + _CAST_BYTES[c.target])
-            kernels = 1
-            if c.target.startswith("fp8"):
-                nbytes += numel * _CAST_BYTES[c.source]
-                kernels += 1
-            seconds += self._memory_s(nbytes, kernels)
-        return seconds
+        """Seconds of the casts of ``prog`` (:func:`~autoprec.hardware.memory.cast_traffic`:
+        torchao's fp8 casts as ``torch.compile`` fuses them)."""
+        return sum(self._memory_s(b, k) for b, k in cast_traffic(prog.casts, scale))
 
 
 def _seconds(cost: LayerCost) -> float:
@@ -424,10 +423,6 @@ def _precision_lookup(policy: Any) -> Any:
             f"policy must be a PrecisionPolicy, a mapping of layer names to precisions or one "
             f"precision; got {type(policy).__name__}"
         ) from None
-
-
-# torchao computes fp8 scales through fp64; MX block scales are one byte each (E8M0)
-_CAST_BYTES = {**STORAGE_BYTES, "fp64": 8, "e8m0": 1}
 
 
 def _ratio(precision: Precision) -> float:

@@ -331,6 +331,8 @@ def test_every_device_is_monotone_with_its_default_efficiency(device):
     order = [p for p in ("fp8", "fp16", "bf16", "tf32", "fp32") if p in spec.peak_tflops]
     totals = [sum(dataclasses.astuple(model.layer_cost(big_linear(), p))[2:4]) for p in order]
     assert totals == sorted(totals)
+    # whole steps: an fp8 layer's activations stay in the dtype around it (fp32 without a
+    # 16-bit region), so a step of fp8 layers alone is not monotone with the 16-bit formats
     table = one_layer(conv_row())
-    steps = [model.step(table, p).step_time_s for p in order]
+    steps = [model.step(table, p).step_time_s for p in order if p != "fp8"]
     assert steps == sorted(steps)
