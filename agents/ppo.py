@@ -3,9 +3,9 @@
 PPO trains on the ``surrogate`` fidelity (milliseconds an episode); every training episode's
 policy is recorded as a surrogate :class:`~autoprec.agents.Trial`. The real budget goes to the
 best distinct policies PPO proposed, in ``rounds``: train, sample proposals from the current
-PPO policy, evaluate the top ones for real (ranked by the surrogate, re-predicted), train more.
-Each real evaluation refits the evaluator's surrogate, so later rounds train on a better
-reward.
+PPO policy, polish the best of them and of the baselines (:mod:`autoprec.agents.polish`),
+evaluate the top ones for real, train more. Each real evaluation refits the evaluator's
+surrogate, so later rounds train on a better reward.
 
 Given its seed and the real evaluations' results, the search is deterministic, and that is how
 it resumes: each training and each proposal phase reseeds the generators SB3 draws from (from
@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from autoprec.agents.base import SURROGATE, Agent, Problem, Session, StopSearch
 from autoprec.agents.naming import file_safe
+from autoprec.agents.polish import polished
 
 if TYPE_CHECKING:  # pragma: no cover
     from autoprec.envs.precision_env import PrecisionEnv
@@ -254,6 +255,8 @@ class PPOAgent(Agent):
                 self._save(model, session, settings, pool, r)
                 model.set_random_seed(_phase_seed(session.seed, r, "propose"))
                 self._propose(model, sampler_env, session, proposals, r, pool)
+                for policy, m in polished(session, list(pool.values())):
+                    _add(pool, session, session.record_surrogate(policy, m, phase="polish"))
                 share = math.ceil(session.remaining / (self.rounds - r))
                 self._spend(session, pool, share, r)
         finally:
