@@ -106,6 +106,16 @@ class OperandCast:
 _HP = OperandCast(None)
 
 
+#: The operands of a Linear's three GEMMs, in the order of :class:`Float8Recipe`'s pairs.
+GEMM_OPERANDS: Mapping[str, tuple[str, str]] = MappingProxyType(
+    {
+        "output": ("input", "weight"),
+        "grad_input": ("grad_output", "weight"),
+        "grad_weight": ("grad_output", "input"),
+    }
+)
+
+
 @dataclass(frozen=True)
 class Float8Recipe:
     """torchao's casts of a ``Float8Linear``'s three GEMMs under one recipe.

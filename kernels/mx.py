@@ -49,6 +49,7 @@ __all__ = [
     "MX_SCALING_MODES",
     "NVFP4_BLOCK_SIZE",
     "BlockQuantized",
+    "check_mx_options",
     "mx_quantize",
     "mx_round",
     "nvfp4_quantize",
@@ -202,6 +203,19 @@ def _check_scaling(scaling: str) -> None:
         raise ValueError(
             f"unknown MX scaling {scaling!r}; expected one of {', '.join(MX_SCALING_MODES)}"
         )
+
+
+def check_mx_options(elems: tuple[str, ...], scaling: str, block_size: int) -> None:
+    """Refuse an unknown element format or scaling mode, or a block size that is not a
+    positive int (the checks :func:`mx_quantize` makes, for callers that quantise later).
+
+    Raises:
+        ValueError: the first bad option, with the valid ones.
+    """
+    for name in elems:
+        _element(name)
+    _check_scaling(scaling)
+    _check_block_size(block_size)
 
 
 def _blocks(x: Tensor, block_size: int, dim: int, what: str) -> tuple[Tensor, int]:

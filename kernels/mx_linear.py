@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .mx import MX_ELEMENTS, MX_SCALING_MODES, mx_round
+from .mx import check_mx_options, mx_round
 
 __all__ = ["MXLinearFunction", "mx_linear"]
 
@@ -92,13 +92,7 @@ def mx_linear(
             block_size, unknown element or scaling.
     """
     grad_elem = elem if grad_elem is None else grad_elem
-    for name in (elem, grad_elem):
-        if name not in MX_ELEMENTS:
-            raise ValueError(f"unknown MX element {name!r}; expected one of {MX_ELEMENTS}")
-    if scaling not in MX_SCALING_MODES:
-        raise ValueError(f"unknown MX scaling {scaling!r}; expected one of {MX_SCALING_MODES}")
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    check_mx_options((elem, grad_elem), scaling, block_size)
     if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
         raise ValueError(
             f"mx_linear expects x (..., K) and weight (N, K), got {tuple(x.shape)} and "

@@ -271,6 +271,22 @@ def check_image_task(req: DataRequest) -> None:
         )
 
 
+def token_geometry(req: DataRequest) -> tuple[int, int]:
+    """``(vocab_size, seq_len)`` of a token dataset for ``req``.
+
+    Raises:
+        DatasetError: no vocabulary, or an input shape that is not ``(seq_len,)``.
+    """
+    name = req.name
+    if req.vocab_size is None:
+        raise DatasetError(f"{name}: token data needs vocab_size (the model's vocabulary)")
+    if len(req.input_shape) != 1:
+        raise DatasetError(
+            f"{name}: token data has input_shape (seq_len,); got {req.input_shape!r}"
+        )
+    return req.vocab_size, req.input_shape[0]
+
+
 def check_num_classes(name: str, have: int, want: int | None) -> int:
     """The label count to report: ``want`` (the model's) if it covers the dataset's ``have``."""
     if want is None:

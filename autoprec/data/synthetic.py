@@ -35,6 +35,7 @@ from autoprec.data._base import (
     DatasetError,
     rng,
     split_indices,
+    token_geometry,
 )
 
 DEFAULT_SAMPLES = 2048
@@ -94,14 +95,8 @@ def load_tokens_bundle(req: DataRequest) -> DataBundle:
             f"{name}: token data is for token-classification or sequence-classification; "
             f"the model's task is {task}"
         )
-    if req.vocab_size is None:
-        raise DatasetError(f"{name}: token data needs vocab_size (the model's vocabulary)")
-    if len(req.input_shape) != 1:
-        raise DatasetError(
-            f"{name}: token data has input_shape (seq_len,); got {req.input_shape!r}"
-        )
+    vocab, seq_len = token_geometry(req)
     num_classes = req.num_classes or 2
-    vocab, seq_len = req.vocab_size, req.input_shape[0]
     if vocab < num_classes:
         raise DatasetError(
             f"{name}: vocab_size {vocab} is smaller than num_classes {num_classes}; "

@@ -34,6 +34,7 @@ from autoprec.data._base import (
     check_num_classes,
     rng,
     split_indices,
+    token_geometry,
 )
 
 DEFAULT_SAMPLES = 4096
@@ -98,13 +99,7 @@ def load_teacher_text_bundle(req: DataRequest) -> DataBundle:
             f"{name} labels every position with the next token, for token-classification "
             f"models; the model's task is {task} (use 'tokens')"
         )
-    if req.vocab_size is None:
-        raise DatasetError(f"{name}: token data needs vocab_size (the model's vocabulary)")
-    if len(req.input_shape) != 1:
-        raise DatasetError(
-            f"{name}: token data has input_shape (seq_len,); got {req.input_shape!r}"
-        )
-    vocab, seq_len = req.vocab_size, req.input_shape[0]
+    vocab, seq_len = token_geometry(req)
     num_classes = check_num_classes(name, vocab, req.num_classes)
     ids, _ = sample_sequences(req.max_samples or DEFAULT_SAMPLES, seq_len + 1, vocab, req.seed)
     train, val = split_indices(len(ids), seed=req.seed, val_fraction=req.val_fraction)

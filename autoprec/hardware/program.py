@@ -45,7 +45,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from autoprec.hardware.program_types import Cast, Flow, FlowOp, FlowTensor, Matmul, Program
-from autoprec.precision import MX_BLOCK, Precision, parse_precision
+from autoprec.precision import GEMM_OPERANDS, MX_BLOCK, Precision, parse_precision
 
 __all__ = [
     "CUDA_FP32_OPS",
@@ -269,7 +269,7 @@ class _Replay:
                 if specs[0].fmt is None:  # a high-precision GEMM: a plain mm in `out`
                     hp += [Matmul(phase, layer, "mm", out)] * len(operands)
                     continue
-                for role, spec in zip(_ROLES[gemm], specs, strict=True):
+                for role, spec in zip(GEMM_OPERANDS[gemm], specs, strict=True):
                     for source, numel, weight in sizes[role]:
                         scales = _scales(role, spec.axis, numel, features)
                         self._fp8_cast(phase, layer, source, numel, weight, spec.fmt, scales)
@@ -301,7 +301,7 @@ class _Replay:
         numel["weight"] = [self.tensors[self.root(w)].numel for w in weights]
         for phase, gemms in (("forward", ("output",)), ("backward", ("grad_input", "grad_weight"))):
             for gemm in gemms:
-                for role in _ROLES[gemm]:
+                for role in GEMM_OPERANDS[gemm]:
                     for n in numel[role]:
                         weight = role == "weight"
                         self.casts.append(Cast(phase, layer, "fp32", "fp8_e4m3", n, weight))
@@ -327,14 +327,6 @@ class _Replay:
         if source != "fp32":
             self.casts.append(Cast(phase, layer, source, "fp32", numel, weight))
         self.casts.append(Cast(phase, layer, "fp32", target, numel, weight))
-
-
-#: The operands of a Linear's GEMMs, in the order of :class:`~autoprec.precision.Float8Recipe`.
-_ROLES = {
-    "output": ("input", "weight"),
-    "grad_input": ("grad_output", "weight"),
-    "grad_weight": ("grad_output", "input"),
-}
 
 
 def _features(sizes: Mapping[str, list[tuple[str, int, bool]]]) -> tuple[int, int, int]:

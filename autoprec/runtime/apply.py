@@ -304,10 +304,10 @@ def apply_policy(
         fp8 = {n: p for n, p in precisions.items() if p.is_8bit}
         if fp8:
             handle.float8 = native.Float8Swap(model, fp8)
-    elif any(p.is_8bit and p is not Precision.FP8 for p in precisions.values()):
-        # the rowwise recipes and MX cast per GEMM: their Linears run an emulating module
+    else:  # the rowwise recipes and MX cast per GEMM: their Linears run an emulating module
         recipes = {n: p for n, p in precisions.items() if p.is_8bit and p is not Precision.FP8}
-        handle.float8 = native.Float8Swap(model, recipes, build=handle.emulated_float8)
+        if recipes:
+            handle.float8 = native.Float8Swap(model, recipes, build=handle.emulated_float8)
     for name, precision in precisions.items():
         handle._manage(name, modules[name], precision, listed=True)
     for name, module in unlisted.items():

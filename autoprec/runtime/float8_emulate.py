@@ -36,12 +36,9 @@ import torch
 from torch import Tensor, nn
 
 from autoprec.kernels import DynamicScaledCast, fake_quantize, mx_linear, quantize
-from autoprec.precision import MX_BLOCK, OperandCast, Precision
+from autoprec.precision import GEMM_OPERANDS, MX_BLOCK, Precision
 
 __all__ = ["EmulatedFloat8Linear", "EmulatedMXLinear", "MXCasts", "RecipeCasts"]
-
-_OPERANDS = {"output": ("input", "weight"), "grad_input": ("grad_output", "weight")}
-_OPERANDS["grad_weight"] = ("grad_output", "input")
 
 
 @dataclass
@@ -67,7 +64,7 @@ class RecipeCasts:
     def __post_init__(self) -> None:
         recipe = self.precision.recipe
         for gemm, casts in recipe.gemms().items():
-            for operand, spec in zip(_OPERANDS[gemm], casts, strict=True):
+            for operand, spec in zip(GEMM_OPERANDS[gemm], casts, strict=True):
                 if spec.fmt is not None:
                     self._casts[gemm, operand] = DynamicScaledCast(
                         spec.fmt, recipe.power_of_two, count=self.count, axis=spec.axis
@@ -85,7 +82,7 @@ class RecipeCasts:
         repeated into a row of scales, ``preprocess_addmm``) and leaves it in bf16 (torchao's
         workaround for its missing fp32 output, ``addmm_float8_unwrapped``; the power-of-two
         scales applied after it are exact), then goes to the layer's dtype."""
-        a, b = self.spec(self.precision, gemm)
+        a, b = self.precision.recipe.gemms()[gemm]
         rowwise = a.fmt is not None and (a.axis is not None or b.axis is not None)
         if rowwise and self.output_format != "bf16":
             out = quantize(out, "bf16")
@@ -99,11 +96,6 @@ class RecipeCasts:
         """(overflows, underflows) over every cast since creation."""
         over = sum(int(c.overflows) for c in self._casts.values())
         return over, sum(int(c.underflows) for c in self._casts.values())
-
-    @staticmethod
-    def spec(precision: Precision, gemm: str) -> tuple[OperandCast, OperandCast]:
-        """The recipe's operand casts of ``gemm``."""
-        return precision.recipe.gemms()[gemm]
 
 
 class _Float8Matmul(torch.autograd.Function):
