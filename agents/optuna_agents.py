@@ -11,6 +11,8 @@ Studies may live in an RDB storage (``storage="sqlite:///optuna.db"``), loaded i
   Before asking, a worker counts COMPLETE and RUNNING trials; after asking, the trials
   numbered below its own; a trial asked beyond the budget (a race) is told FAIL with the user
   attr ``autoprec_skipped``, so the study never holds more COMPLETE trials than the budget.
+  On SQLite, workers of one host ask one at a time (``optuna_study.ask_lock``: Optuna pops
+  an enqueued trial with a row lock SQLite lacks).
   Give the workers different seeds, or their samplers propose the same policies.
 
 A policy already COMPLETE or RUNNING in the study (or evaluated in this search) is not
@@ -58,6 +60,7 @@ from autoprec.agents.optuna_study import (
     WORKER,
     WORKER_ATTR,
     StorageError,
+    ask_lock,
     check_study,
     count,
     dead,
@@ -159,10 +162,10 @@ class _OptunaAgent(Agent):
                     return
                 if self.sampler is None:  # a proposal depends on the history only
                     study.sampler = self.make_sampler(session, self._seed(study, session))
-                with warnings.catch_warnings():  # "heartbeat ... used with Study.optimize"
-                    warnings.simplefilter("ignore", UserWarning)
+                with ask_lock(self.storage), warnings.catch_warnings():
+                    warnings.simplefilter("ignore", UserWarning)  # "heartbeat ... optimize"
                     trial = study.ask(distributions)
-                trial.set_user_attr(WORKER_ATTR, WORKER)
+                    trial.set_user_attr(WORKER_ATTR, WORKER)
                 evaluating = False
                 try:
                     states = (TrialState.COMPLETE, TrialState.RUNNING, TrialState.WAITING)

@@ -85,20 +85,10 @@ def study_name_for(storage: Any, name: str, resume: bool = False) -> str:
 def check_storage(url: str) -> None:
     """Refuse a SQLite Optuna storage file that is not a sound database. It holds the user's
     study, not a cache, so it is never replaced: the error says how to start over."""
-    if not url.startswith("sqlite:"):
-        return
     import sqlite3
 
-    from sqlalchemy.engine import make_url
-
-    try:
-        database = make_url(url).database
-    except Exception:  # noqa: BLE001 - a malformed URL: the agent reports it
-        return
-    if not database or database == ":memory:":
-        return
-    path = Path(database)
-    if not path.is_file() or path.stat().st_size == 0:
+    path = sqlite_file(url)
+    if path is None or not path.is_file() or path.stat().st_size == 0:
         return  # a new study
     try:
         db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=30.0)
@@ -114,6 +104,51 @@ def check_storage(url: str) -> None:
             f"the Optuna storage {path} is damaged ({problem}): delete or move it to start the "
             "search over, or choose another file with --storage sqlite:///<new>.db"
         )
+
+
+def sqlite_file(url: Any) -> Path | None:
+    """The database file of a SQLite storage URL; None for any other storage (or in memory)."""
+    if not isinstance(url, str) or not url.startswith("sqlite:"):
+        return None
+    from sqlalchemy.engine import make_url
+
+    try:
+        database = make_url(url).database
+    except Exception:  # noqa: BLE001 - a malformed URL: the agent reports it
+        return None
+    if not database or database == ":memory:":
+        return None
+    return Path(database)
+
+
+@contextmanager
+def ask_lock(url: Any) -> Iterator[None]:
+    """Hold, on a SQLite storage, an exclusive lock shared by the processes of this host for
+    the block: ``study.ask`` (and the worker's mark on the trial) happen one worker at a time.
+
+    Optuna pops an enqueued (WAITING) trial by reading its state, then setting it RUNNING
+    ``FOR UPDATE``, a row lock SQLite does not have: two workers asking together both get the
+    same trial, both evaluate it, and the second's ``tell`` finds it finished. PostgreSQL and
+    MySQL lock the row; other storages get no lock. The lock is a ``flock`` on the file
+    ``<database>.ask-lock`` beside the database (released if the process dies).
+    """
+    path = sqlite_file(url)
+    if path is None:
+        yield
+        return
+    import fcntl
+
+    try:
+        fh = open(f"{path}.ask-lock", "a+b")  # noqa: SIM115 - closed below
+    except OSError:  # a read-only folder: SQLite cannot write the study there either
+        yield
+        return
+    with fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def open_storage(storage: Any, retry: Callable[..., Any]) -> Any:
