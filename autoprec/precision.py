@@ -92,6 +92,15 @@ HARDWARE_PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "fp8", "mxfp8")
 MX_BLOCK = 32
 
 
+def mx_io_format(region: str | None) -> str:
+    """The format an ``mxfp8`` layer reads its input and weight in and writes its output in,
+    inside an autocast region of format ``region`` (None: no region): bf16 in a bf16 region,
+    as torchtitan trains torchao's ``MXFP8Linear`` (FSDP2 hands it bf16 parameters; it
+    multiplies its operands in the dtype they come in), else fp32 (its master weight's; in an
+    fp16 region too: torchao's MX casts take fp32 or bf16)."""
+    return "bf16" if region == "bf16" else "fp32"
+
+
 @dataclass(frozen=True)
 class OperandCast:
     """How one operand of one GEMM is cast: to ``fmt`` (None: kept in high precision) with one

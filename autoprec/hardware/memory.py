@@ -8,7 +8,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
-from autoprec.precision import FORMAT_FACTS, Precision
+from autoprec.precision import FORMAT_FACTS, Precision, mx_io_format
 
 if TYPE_CHECKING:
     from autoprec.graph.table import LayerRow
@@ -27,11 +27,11 @@ def activation_ratio(precision: Precision, region: str | None = None) -> float:
     relative to fp32's 4: its format's for the 16-bit and wide precisions; for an 8-bit layer
     (an fp8 recipe, mxfp8) the dtype around it, fp8 operands existing only inside its GEMMs:
     torchao's ``Float8Linear`` writes and saves the region's format (``region``: bf16, fp16,
-    None for fp32), ``MXFP8Linear`` its fp32 weight's."""
+    None for fp32), ``MXFP8Linear`` :func:`~autoprec.precision.mx_io_format`'s."""
     if precision.is_fp8:
         return STORAGE_BYTES[region or "fp32"] / 4
     if precision.is_mx:
-        return 1.0
+        return STORAGE_BYTES[mx_io_format(region)] / 4
     return precision.bytes_ratio
 
 
@@ -78,9 +78,27 @@ def cast_traffic(casts: Sequence[Cast], scale: float) -> Iterator[tuple[float, i
             i = end + 1
             continue
         numel = c.numel if c.weight else c.numel * scale
+        after = casts[i + 1] if i + 1 < len(casts) else None
+        if _upcast_to_fp8(c, after):  # an MX cast of a 16-bit operand, fused likewise
+            yield numel * (2 * _CAST_BYTES[c.source] + _CAST_BYTES[after.target]), 2
+            i += 2
+            continue
         nbytes = numel * (_CAST_BYTES[c.source] + _CAST_BYTES[c.target])
         if c.target.startswith("fp8"):
             yield nbytes + numel * _CAST_BYTES[c.source], 2
         else:
             yield nbytes, 1
         i += 1
+
+
+def _upcast_to_fp8(cast: Cast, after: Cast | None) -> bool:
+    """Whether ``cast`` upcasts a 16-bit tensor to fp32 only for ``after`` to cast it to fp8
+    (torchao's ``to_mx``), a chain ``torch.compile`` fuses as it does torchao's fp8 casts."""
+    return (
+        after is not None
+        and cast.target == "fp32"
+        and _CAST_BYTES[cast.source] == 2
+        and after.target.startswith("fp8")
+        and (after.phase, after.layer, after.numel, after.weight)
+        == (cast.phase, cast.layer, cast.numel, cast.weight)
+    )

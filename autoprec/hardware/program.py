@@ -45,7 +45,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from autoprec.hardware.program_types import Cast, Flow, FlowOp, FlowTensor, Matmul, Program
-from autoprec.precision import GEMM_OPERANDS, MX_BLOCK, Precision, parse_precision
+from autoprec.precision import GEMM_OPERANDS, MX_BLOCK, Precision, mx_io_format, parse_precision
 
 __all__ = [
     "CUDA_FP32_OPS",
@@ -286,16 +286,24 @@ class _Replay:
         return out
 
     def mx(self, op: FlowOp, args: list[int]) -> str:
-        """torchao's MXFP8Linear as the runtime runs it: its input in fp32 (its weight's dtype,
-        one cast at the boundary), each operand of each GEMM cast to e4m3 blocks with their
-        E8M0 scales (one per 32 elements), three MX GEMMs, an fp32 output."""
+        """torchao's MXFP8Linear as the runtime runs it: its input and weight in
+        :func:`~autoprec.precision.mx_io_format`'s dtype (in a bf16 region: the fp32 weight
+        cast each step, its gradient cast back; fp32 elsewhere), each operand of each GEMM cast
+        to e4m3 blocks with their E8M0 scales (one per 32 elements; torchao's ``to_mx``
+        computes in fp32, upcasting a bf16 operand and its block amaxes), three MX GEMMs, the output
+        (and the bias added to it) in that dtype."""
         layer = op.layer
+        io = mx_io_format(self.region)
         weights = [a for a in args if self.is_weight(a) and self.tensors[self.root(a)].dim == 2]
+        bias = [a for a in args if self.is_weight(a) and a not in weights]
         acts = [a for a in args if not self.is_weight(a)]
         for a in acts:
-            if self.dtype[a] != "fp32":
-                self.cast(a, "fp32", layer)
-                self.dtype[a] = "fp32"
+            if self.dtype[a] != io:
+                self.cast(a, io, layer)
+                self.dtype[a] = io
+        for a in weights + bias:
+            if self.dtype[a] != io:
+                self.cast(a, io, layer, cache=False)
         grad_numel = self.tensors[op.outs[0]].numel if op.outs else 0
         numel = {"input": [self.tensors[a].numel for a in acts], "grad_output": [grad_numel]}
         numel["weight"] = [self.tensors[self.root(w)].numel for w in weights]
@@ -303,12 +311,14 @@ class _Replay:
             for gemm in gemms:
                 for role in GEMM_OPERANDS[gemm]:
                     for n in numel[role]:
-                        weight = role == "weight"
+                        weight, scales = role == "weight", max(1, n // MX_BLOCK)
+                        if io != "fp32":  # torchao's to_mx upcasts the block amaxes and data
+                            self.casts.append(Cast(phase, layer, io, "fp32", scales, weight))
+                            self.casts.append(Cast(phase, layer, io, "fp32", n, weight))
                         self.casts.append(Cast(phase, layer, "fp32", "fp8_e4m3", n, weight))
-                        scales = max(1, n // MX_BLOCK)
                         self.casts.append(Cast(phase, layer, "fp32", "e8m0", scales, weight))
                 self.matmuls.append(Matmul(phase, layer, "_scaled_mm", "mxfp8"))
-        return "fp32"
+        return io
 
     def _fp8_cast(
         self,

@@ -207,7 +207,7 @@ class PolicyHandle:
                 f"{type(module).__name__}; choose fp8 (tensorwise) or a 16-bit precision for it",
             )
         if precision.is_mx:
-            return EmulatedMXLinear.from_linear(module)
+            return EmulatedMXLinear.from_linear(module, self.region_format)
         casts = RecipeCasts(precision, self.guard.count, self.region_format)
         return EmulatedFloat8Linear.from_linear(module, casts)
 

@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from autoprec.kernels import DynamicScaledCast, fake_quantize, mx_linear, quantize
-from autoprec.precision import GEMM_OPERANDS, MX_BLOCK, Precision
+from autoprec.kernels import DynamicScaledCast, fake_quantize, get_format, mx_linear, quantize
+from autoprec.precision import GEMM_OPERANDS, MX_BLOCK, Precision, mx_io_format
 
 __all__ = ["EmulatedFloat8Linear", "EmulatedMXLinear", "MXCasts", "RecipeCasts"]
 
@@ -180,17 +180,21 @@ class EmulatedMXLinear(nn.Linear):
     casts: MXCasts
 
     @classmethod
-    def from_linear(cls, module: nn.Linear) -> EmulatedMXLinear:
-        """A module running ``module``'s very parameters in mxfp8."""
+    def from_linear(cls, module: nn.Linear, region: str | None = None) -> EmulatedMXLinear:
+        """A module running ``module``'s very parameters in mxfp8, inside an autocast region
+        of format ``region`` (None: none)."""
         with torch.device("meta"):
             new = cls(module.in_features, module.out_features, bias=False)
         new.weight = module.weight
         new.bias = module.bias
-        new.casts = MXCasts()
+        new.casts = MXCasts(output_format=region)
         return new
 
     def forward(self, input: Tensor) -> Tensor:  # noqa: D102
-        x = input.to(self.weight.dtype)  # MXFP8Linear reads its input in the weight's dtype
-        return mx_linear(
-            x, self.weight, self.bias, elem="fp8_e4m3", block_size=MX_BLOCK, scaling="rceil"
-        )
+        # as natively (runtime.native.mx_module): input and weight in mx_io_format's dtype,
+        # the GEMMs' result in it, handed on in the input's dtype (emulate mode's fp32)
+        io = get_format(mx_io_format(self.casts.output_format)).torch_dtype
+        dtype = self.weight.dtype if io == torch.float32 else io
+        x, weight = input.to(dtype), self.weight.to(dtype)
+        out = mx_linear(x, weight, self.bias, elem="fp8_e4m3", block_size=MX_BLOCK, scaling="rceil")
+        return out.to(input.dtype)

@@ -24,6 +24,7 @@ masks and the cost model read too; :func:`check_native` refuses anything else.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +39,7 @@ from autoprec.hardware.runnability import (
     layer_kind,
     runnability,
 )
-from autoprec.precision import Precision
+from autoprec.precision import Precision, mx_io_format
 
 __all__ = [
     "CPU_NATIVE_PRECISIONS",
@@ -202,12 +203,16 @@ def enter_layer(
             args = tuple(cast_floating(a, dtype) for a in args)
         return args, kwargs, frame
     if precision.is_mx:
-        # torchao's MXFP8Linear multiplies its input with its weight as they are (the same dtype
-        # required): it reads the fp32 master weight, so its input goes to fp32 once, autocast off
+        # torchao's MXFP8Linear multiplies its operands in the dtype they come in: the layer
+        # reads (and its module casts its weight to) mx_io_format's dtype, autocast off
+        dtype = weight_dtype
         if outer:
+            bf16 = torch.get_autocast_dtype(device_type) == torch.bfloat16
+            region = (Precision.BF16 if bf16 else Precision.FP16).value
+            dtype = LOW_DTYPES.get(Precision(mx_io_format(region)), weight_dtype)
             frame.context = torch.autocast(device_type, enabled=False)
             frame.context.__enter__()
-        args = tuple(cast_floating(a, weight_dtype) for a in args)
+        args = tuple(cast_floating(a, dtype) for a in args)
         return args, kwargs, frame
     if precision in LOW_DTYPES:
         dtype = LOW_DTYPES[precision]
@@ -344,14 +349,15 @@ class Float8Swap:
 def mx_module(module: nn.Module) -> nn.Module:
     """torchao's ``MXFP8Linear`` (RCEIL scales, e4m3 blocks of 32 in all three GEMMs) running
     ``module``'s very parameters: cuBLAS's MX GEMM on a GPU (``KernelPreference.AUTO``),
-    torchao's emulated kernel elsewhere."""
-    from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
+    torchao's emulated kernel elsewhere. It multiplies its input with its weight cast to the
+    input's dtype, a differentiable cast each step (:func:`~autoprec.precision.mx_io_format`:
+    what FSDP2's bf16 ``param_dtype`` hands torchao's module in torchtitan)."""
     from torchao.prototype.mx_formats.config import ScaleCalculationMode
     from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
 
     cuda = module.weight.device.type == "cuda"
     with torch.device("meta"):
-        new = MXFP8Linear(
+        new = _mx_linear_class()(
             module.in_features,
             module.out_features,
             bias=False,
@@ -361,3 +367,27 @@ def mx_module(module: nn.Module) -> nn.Module:
     new.weight = module.weight
     new.bias = module.bias
     return new
+
+
+@functools.cache
+def _mx_linear_class() -> type[nn.Module]:
+    """torchao's ``MXFP8Linear`` reading its weight in its input's dtype (see :func:`mx_module`)."""
+    from torchao.prototype.moe_training.mxfp8_linear import (
+        MXFP8Linear,
+        _to_mxfp8_then_scaled_mm,
+    )
+
+    class MXFP8Linear(MXFP8Linear):  # noqa: D101 - the name torchao's users know
+        def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: D102
+            output = _to_mxfp8_then_scaled_mm(
+                input,
+                self.weight.to(input.dtype),
+                kernel_preference=self.kernel_preference,
+                scale_calculation_mode=self.scale_calculation_mode,
+                wgrad_with_hp=self.wgrad_with_hp,
+            )
+            if self.bias is not None:
+                output = output + self.bias.to(output.dtype)
+            return output
+
+    return MXFP8Linear
