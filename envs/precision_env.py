@@ -18,6 +18,8 @@ from gymnasium import spaces
 from autoprec.envs.features import STATIC_FEATURES, sensitivity_features, static_features
 from autoprec.evaluate.reward import RewardConfig
 from autoprec.hardware.cost import CostModel, layer_memory
+from autoprec.hardware.memory import activation_ratio
+from autoprec.hardware.program import region_of
 from autoprec.precision import PRECISION_NAMES, Precision, parse_precision
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -317,7 +319,10 @@ class PrecisionEnv(gym.Env):
         if self._previous is not None:
             previous[self._previous] = 1.0
         time_so_far = sum(self._layer_time[(n, p)] for n, p in self._chosen.items())
-        memory_so_far = sum(_layer_memory(self.table[n], p) for n, p in self._chosen.items())
+        region = region_of(self._chosen)  # the autocast region of the layers chosen so far
+        memory_so_far = sum(
+            _layer_memory(self.table[n], p, region) for n, p in self._chosen.items()
+        )
         cost = np.array(
             [time_so_far / self._fp32_time, memory_so_far / self._fp32_memory], dtype=np.float32
         )
@@ -363,8 +368,11 @@ def _seconds(cost: Any) -> float:
     return cost.forward_s + cost.backward_s
 
 
-def _layer_memory(row: LayerRow, precision: Precision) -> float:
-    """Bytes one layer holds in a step: fp32 weights and gradients plus what its precision
-    changes (:func:`autoprec.hardware.cost.layer_memory`, as ``CostModel.step`` counts them)."""
-    low_copy, activations = layer_memory(row, precision)
+def _layer_memory(row: LayerRow, precision: Precision, region: str | None = None) -> float:
+    """Bytes one layer holds in a step inside an autocast region of format ``region``: fp32
+    weights and gradients plus what its precision changes (an 8-bit layer saves its input at
+    the region's width: :func:`autoprec.hardware.memory.activation_ratio`), as
+    ``CostModel.step`` counts them."""
+    ratio = activation_ratio(precision, region)
+    low_copy, activations = layer_memory(row, precision, activations=ratio)
     return 8 * row.params + low_copy + activations

@@ -24,8 +24,8 @@ bias is added after the GEMM in the output's format.
 
 mxfp8 is :class:`EmulatedMXLinear`: :func:`autoprec.kernels.mx_linear`, which reproduces torchao's
 ``MXFP8Linear`` (its emulated kernel) bit for bit: e4m3 blocks of 32 along each GEMM's reduction
-dimension, RCEIL scales; it reads its input in the weight's dtype (fp32), as the native runtime
-hands it over.
+dimension, RCEIL scales; input and weight in :func:`~autoprec.precision.mx_io_format`'s dtype
+(bf16 in a bf16 region, else fp32), as the native runtime hands them over.
 """
 
 from __future__ import annotations
