@@ -4,7 +4,11 @@ Four copies of the same resnet18 (batch 32, 32x32 inputs, SGD) train side by sid
 under an all-fp32 policy (the cost of the hooks alone); emulated all-bf16; emulated all-fp8.
 Every round times one step of each, in a shuffled order, so the machine's noise hits all of
 them alike; the table reports medians and ratios to plain fp32's median.
-Targets (issue 3): all-fp32 policy at most 1.10x plain, emulated bf16 at most 1.6x plain.
+Targets: all-fp32 policy at most 1.10x plain (issue 3); emulated bf16 at most 1.15x plain and
+emulated fp8 at most 1.3x plain (issue 19). The warm-up rounds build the compiled rounding
+kernels (AUTOPREC_COMPILE=1 while they run); the timed rounds use the default dispatch, so the
+table is the steady state. What building costs on a first run is bench_kernels.py's
+"first run" table.
 
     python experiments/bench_runtime.py                 # print the table
     python experiments/bench_runtime.py --write-docs    # also update docs/benchmarks.md
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import random
 import statistics
 from dataclasses import dataclass
@@ -35,7 +40,11 @@ class Args:
     write_docs: bool = False
 
 
-TARGETS = {"policy all-fp32 (hooks only)": 1.10, "emulated all-bf16": 1.6}
+TARGETS = {
+    "policy all-fp32 (hooks only)": 1.10,  # issue 3
+    "emulated all-bf16": 1.15,  # issue 19
+    "emulated all-fp8": 1.3,  # issue 19
+}
 
 
 def parse() -> Args:
@@ -76,9 +85,12 @@ def main() -> None:
         if policy is not None:
             handles.append(apply_policy(model, policy, mode="emulate"))
         steps[name] = make_step(model, x, y)
+    setting = os.environ.setdefault("AUTOPREC_COMPILE", "1")  # build the kernels now
     for _ in range(args.warmup):
         for step in steps.values():
             step()
+    if setting == "1":
+        os.environ.pop("AUTOPREC_COMPILE")  # timed rounds: the default dispatch
     times: dict[str, list[float]] = {k: [] for k in steps}
     order, keys = random.Random(0), list(steps)
     for _ in range(args.repeats):
@@ -102,9 +114,11 @@ def main() -> None:
         f"Model: torchvision resnet18 (weights=None, 10 classes, {n_layers} tunable layers), "
         f"batch {args.batch}, {args.image}x{args.image} inputs, SGD with momentum; forward, "
         f"backward and optimizer step. Median of {args.repeats} rounds after {args.warmup} "
-        "warm-up rounds, the four cases side by side in a shuffled order each round. Emulation "
-        "rounds each layer's input, weight and output gradient (fp8: with per-tensor delayed "
-        "scaling) and counts overflows/underflows."
+        "warm-up rounds (which build the compiled rounding kernels), the four cases side by side "
+        "in a shuffled order each round. Emulation rounds what the native program rounds "
+        "(bf16: each layer's input, weight and output, and the gradients of all three; fp8: "
+        "input and weight to e4m3 and the output gradient to e5m2, each with current "
+        "per-tensor scaling) and counts overflows/underflows."
     )
     table = "\n".join(lines)
     publish("bench_runtime", f"## Runtime overhead\n\n{header}\n\n{table}\n", args)

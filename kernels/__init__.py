@@ -26,7 +26,7 @@ from .mx import (
     nvfp4_tensor_scale,
 )
 from .mx_linear import MXLinearFunction, mx_linear
-from .quantize import ROUNDING_MODES, quantize, quantize_with_counts
+from .quantize import ROUNDING_MODES, quantize, quantize_counted, quantize_with_counts
 from .scaling import (
     AMAX_EPS,
     AMAX_RULES,
@@ -63,5 +63,6 @@ __all__ = [
     "nvfp4_round",
     "nvfp4_tensor_scale",
     "quantize",
+    "quantize_counted",
     "quantize_with_counts",
 ]

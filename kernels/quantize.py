@@ -12,7 +12,10 @@ into the exponent field is the correct result); a value below the format's small
 rounded on the fixed subnormal grid with ``round`` (ties to even), which is exact because the
 scale is a power of two. Overflow, infinities and NaN are then patched in with ``where``. The
 same expression runs eagerly (the portable fallback) or fused into one loop by
-``torch.compile`` for large tensors, which is what makes it run near memory speed.
+``torch.compile``, which is what makes it run near memory speed: one graph for every format
+and size (the format's constants are inputs), built once eager rounding has cost about as much
+as building it would (:mod:`.dispatch`). Overflows and underflows are counted on the bits in
+the same loop.
 
 Stochastic rounding adds a uniform random integer below the kept bits before clearing them, so
 a value rounds up with probability equal to its distance from the lower grid point over the
@@ -22,17 +25,19 @@ bits, so the expectation is exact up to 2**-24 of the spacing there.
 
 from __future__ import annotations
 
-import os
-import types
-import warnings
-from collections.abc import Callable
-
 import torch
 from torch import Tensor
 
+from .dispatch import Kernel
 from .formats import Format, get_format
 
-__all__ = ["check_rounding", "quantize", "quantize_with_counts", "ROUNDING_MODES"]
+__all__ = [
+    "check_rounding",
+    "quantize",
+    "quantize_counted",
+    "quantize_with_counts",
+    "ROUNDING_MODES",
+]
 
 ROUNDING_MODES = ("nearest", "stochastic")
 
@@ -41,142 +46,124 @@ _NAN_BITS = 0x7FC00000
 _SIGN_BIT = -(1 << 31)  # 0x80000000 as an int32
 _RANDOM_BITS = 24
 
-# Tensors at least this large go through the compiled kernel when it is available; below it the
-# fixed cost of a compiled call outweighs the fusion. AUTOPREC_COMPILE=0 forces the eager path,
-# AUTOPREC_COMPILE=1 forces compilation for every size.
-_COMPILE_MIN_NUMEL = 1 << 16
 
-
-def _round_bits(
-    x: Tensor,
-    rnd: Tensor | None,
-    *,
-    shift: int,
-    reduced_range: bool,
-    min_normal_bits: int,
-    inv_quantum: float,
-    quantum: float,
-    threshold_bits: int,
-    max_bits: int,
-    overflow_bits: int,
-    inf_bits_out: int,
-    saturate: bool,
-) -> Tensor:
+def round_bits(x: Tensor, rnd: Tensor | None, c: dict) -> Tensor:
     """The rounding expression on a float32 tensor; ``rnd`` holds random bits for stochastic.
 
-    Written with torch operations only, so it runs eagerly and under ``torch.compile``.
+    Returns the rounded magnitude's bits (no sign yet), as int32. ``c`` holds the format's
+    constants (:func:`_constants`), as Python numbers (eager) or 0-dim tensors (the compiled
+    graph, shared by every format). Written with torch operations only, so it runs eagerly and
+    under ``torch.compile``.
     """
-    bits = x.view(torch.int32)
-    sign = bits & _SIGN_BIT
-    mag = bits & 0x7FFFFFFF
+    mag = x.view(torch.int32) & 0x7FFFFFFF
     clamped = torch.clamp_max(mag, _INF_BITS)  # keeps the integer adds below from wrapping
-    low_mask = (1 << shift) - 1
     if rnd is None:  # round to nearest, ties to even
-        increment = ((clamped >> shift) & 1) + ((1 << (shift - 1)) - 1)
+        increment = ((clamped >> c["shift"]) & 1) + c["half"]
     else:
-        increment = rnd & low_mask
-    rounded = (clamped + increment) & ~low_mask
+        increment = rnd & c["low_mask"]
+    rounded = (clamped + increment) & c["keep_mask"]
 
-    if reduced_range:  # values below the format's smallest normal: fixed subnormal grid
-        absx = clamped.view(torch.float32)
-        scaled = absx * inv_quantum  # exact: power-of-two scale, result < 2**(mantissa+1)
-        if rnd is None:
-            steps = torch.round(scaled)
-        else:
-            low = torch.floor(scaled)
-            uniform = rnd.to(torch.float32) * (2.0**-_RANDOM_BITS)
-            steps = low + (uniform < (scaled - low)).to(torch.float32)
-        sub = (steps * quantum).view(torch.int32)
-        rounded = torch.where(clamped < min_normal_bits, sub, rounded)
-
-    overflow = (clamped >= threshold_bits) if rnd is None else (rounded > max_bits)
-    if saturate:  # finite overflows clamp to the largest finite value; infinities stay
-        rounded = torch.where(overflow, max_bits, rounded)
-        rounded = torch.where(clamped >= _INF_BITS, inf_bits_out, rounded)
+    # values below the format's smallest normal: fixed subnormal grid (never for bf16/tf32,
+    # whose min_normal is 0 here: their subnormals are fp32's, which the bit rounding handles)
+    absx = clamped.view(torch.float32)
+    scaled = absx * c["inv_quantum"]  # exact: power-of-two scale, result < 2**(mantissa+1)
+    if rnd is None:
+        steps = torch.round(scaled)
     else:
-        rounded = torch.where(overflow, overflow_bits, rounded)
-    rounded = torch.where(mag > _INF_BITS, mag, rounded)  # NaN stays NaN, payload kept
-    return (rounded | sign).view(torch.float32)
+        low = torch.floor(scaled)
+        uniform = rnd.to(torch.float32) * (2.0**-_RANDOM_BITS)
+        steps = low + (uniform < (scaled - low)).to(torch.float32)
+    sub = (steps * c["quantum"]).view(torch.int32)
+    rounded = torch.where(clamped < c["min_normal"], sub, rounded)
+
+    overflow = (clamped >= c["threshold"]) if rnd is None else (rounded > c["max_bits"])
+    # saturate: finite overflows clamp to the largest finite value, infinities keep the
+    # format's rule (inf, or NaN without inf); else both take the format's rule
+    rounded = torch.where(overflow, c["overflow_to"], rounded)
+    rounded = torch.where(clamped >= _INF_BITS, c["inf_to"], rounded)
+    return torch.where(mag > _INF_BITS, mag, rounded)  # NaN stays NaN, payload kept
 
 
-def _kernel_constants(fmt: Format) -> dict:
-    overflow_bits = {"inf": _INF_BITS, "nan": _NAN_BITS, "saturate": fmt.max_finite_bits}
-    nan_or_inf = overflow_bits[fmt.overflow]
-    return {
-        "shift": 23 - fmt.mantissa_bits,
-        "reduced_range": not fmt.same_range_as_fp32,
-        "min_normal_bits": fmt.min_normal_bits,
-        "inv_quantum": 1.0 / fmt.min_subnormal,
-        "quantum": fmt.min_subnormal,
-        "threshold_bits": fmt.overflow_threshold_bits,
-        "max_bits": fmt.max_finite_bits,
-        "overflow_bits": nan_or_inf,
-        "inf_bits_out": nan_or_inf,
-    }
+def with_sign(x: Tensor, rounded: Tensor) -> Tensor:
+    """The float32 result: the rounded magnitude of :func:`round_bits` with ``x``'s sign."""
+    return (rounded | (x.view(torch.int32) & _SIGN_BIT)).view(torch.float32)
 
 
-_eager_kernels: dict[tuple, Callable] = {}
-_compiled_kernels: dict[tuple, Callable] = {}
-_compile_broken = False
-
-
-def _count(x: Tensor, rounded: Tensor, max_finite: float) -> tuple[Tensor, Tensor]:
-    """Overflows (a non-finite result, or a value beyond the format's range that was clamped)
-    and underflows (a non-zero value that became zero)."""
-    overflows = (~torch.isfinite(rounded) | (x.abs() > max_finite)).sum()
-    underflows = ((rounded == 0) & (x != 0)).sum()
+def _counts(x: Tensor, rounded: Tensor, c: dict, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Overflows (a value beyond the format's largest finite value, an infinity or a NaN: every
+    value whose result is not finite or was clamped) and underflows (a non-zero value that
+    became zero), on the bits: no second pass."""
+    mag = x.view(torch.int32) & 0x7FFFFFFF
+    overflows = (mag > c["max_bits"]).sum(dtype=dtype)
+    underflows = ((rounded == 0) & (mag != 0)).sum(dtype=dtype)
     return overflows, underflows
 
 
-def _eager_kernel(fmt: Format, saturate: bool, count: bool = False) -> Callable:
-    key = (fmt, saturate, count)
-    if key not in _eager_kernels:
-        constants = _kernel_constants(fmt)
-        max_finite = fmt.max_finite
-
-        if count:
-
-            def kernel(x: Tensor, rnd: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-                rounded = _round_bits(x, rnd, saturate=saturate, **constants)
-                return (rounded, *_count(x, rounded, max_finite))
-
-        else:
-
-            def kernel(x: Tensor, rnd: Tensor | None) -> Tensor:
-                return _round_bits(x, rnd, saturate=saturate, **constants)
-
-        _eager_kernels[key] = kernel
-    return _eager_kernels[key]
-
-
-def _compiled_kernel(
-    fmt: Format, saturate: bool, stochastic: bool, count: bool = False
-) -> Callable:
-    key = (fmt, saturate, stochastic, count)
-    if key not in _compiled_kernels:
-        eager = _eager_kernel(fmt, saturate, count)
-        # Dynamo keeps its cache on the code object. Every variant gets a code object of its own
-        # so that the format constants stay compile-time constants (fusing into one loop)
-        # instead of being turned into symbolic inputs once a second variant shows up.
-        name = f"quantize_{fmt.name}_{int(saturate)}{int(stochastic)}{int(count)}"
-        code = eager.__code__.replace(co_name=name)
-        variant = types.FunctionType(code, eager.__globals__, name, None, eager.__closure__)
-        _compiled_kernels[key] = torch.compile(variant, dynamic=False)
-    return _compiled_kernels[key]
+def _constants(fmt: Format, saturate: bool) -> dict:
+    """The format's constants for :func:`round_bits`, as Python numbers."""
+    shift = 23 - fmt.mantissa_bits
+    nan_or_inf = {"inf": _INF_BITS, "nan": _NAN_BITS, "saturate": fmt.max_finite_bits}
+    rule = nan_or_inf[fmt.overflow]
+    reduced = not fmt.same_range_as_fp32
+    return {
+        "shift": shift,
+        "half": (1 << (shift - 1)) - 1,
+        "low_mask": (1 << shift) - 1,
+        "keep_mask": ~((1 << shift) - 1),
+        "min_normal": fmt.min_normal_bits if reduced else 0,
+        "threshold": fmt.overflow_threshold_bits,
+        "max_bits": fmt.max_finite_bits,
+        "overflow_to": fmt.max_finite_bits if saturate else rule,
+        "inf_to": rule,
+        # bf16's 2**133 has no float32; any value does, as the subnormal path is never taken
+        "inv_quantum": 1.0 / fmt.min_subnormal if reduced else 1.0,
+        "quantum": fmt.min_subnormal if reduced else 1.0,
+    }
 
 
-def _use_compiled(x: Tensor) -> bool:
-    if _compile_broken or torch.compiler.is_compiling():
-        return False
-    setting = os.environ.get("AUTOPREC_COMPILE", "")
-    if setting == "0":
-        return False
-    return setting == "1" or x.numel() >= _COMPILE_MIN_NUMEL
+_INTS = tuple(
+    "shift half low_mask keep_mask min_normal threshold max_bits overflow_to inf_to".split()
+)
+_FLOATS = ("inv_quantum", "quantum")
+_tensor_constants: dict[tuple, tuple[Tensor, Tensor, Format]] = {}
 
 
-def _compiled_for(x: Tensor, backend: str) -> bool:
-    # Sizes 0 and 1 are always specialised by dynamo; they take the eager path.
-    return x.numel() > 1 and (backend == "compiled" or (backend == "auto" and _use_compiled(x)))
+def constant_tensors(fmt: Format, saturate: bool, device: torch.device) -> tuple[Tensor, Tensor]:
+    """The constants as two small tensors (int32, float32), the compiled graph's inputs."""
+    key = (id(fmt), saturate, device)  # Format's dataclass hash is slow; fmt is kept below
+    if key not in _tensor_constants:
+        c = _constants(fmt, saturate)
+        _tensor_constants[key] = (
+            torch.tensor([c[k] for k in _INTS], dtype=torch.int32, device=device),
+            torch.tensor([c[k] for k in _FLOATS], dtype=torch.float32, device=device),
+            fmt,
+        )
+    return _tensor_constants[key][:2]
+
+
+def unpack_constants(ints: Tensor, floats: Tensor) -> dict:
+    """The constants of :func:`constant_tensors` by name, as 0-dim tensors (inside a graph)."""
+    return {
+        **dict(zip(_INTS, ints.unbind(), strict=True)),
+        **dict(zip(_FLOATS, floats.unbind(), strict=True)),
+    }
+
+
+def _nearest_graph(flat: Tensor, ints: Tensor, floats: Tensor) -> tuple[Tensor, Tensor]:
+    """Round to nearest and count, every format in one graph; the counts come back as one
+    int32 pair (the graph takes at most 2**31 - 1 values)."""
+    c = unpack_constants(ints, floats)
+    rounded = round_bits(flat, None, c)
+    return with_sign(flat, rounded), torch.stack(_counts(flat, rounded, c, torch.int32))
+
+
+def _stochastic_graph(flat: Tensor, rnd: Tensor, ints: Tensor, floats: Tensor) -> Tensor:
+    return with_sign(flat, round_bits(flat, rnd, unpack_constants(ints, floats)))
+
+
+_NEAREST = Kernel("quantize_nearest", _nearest_graph)
+_STOCHASTIC = Kernel("quantize_stochastic", _stochastic_graph)
+GRAPH_MAX_NUMEL = (1 << 31) - 1  # counts are int32 in the graph
 
 
 def check_rounding(rounding: str) -> None:
@@ -228,8 +215,8 @@ def quantize(
             torch's cast does). Infinite inputs keep the format's rule: inf where it has inf.
             NaN always stays NaN.
         generator: random source for stochastic rounding (on ``x``'s device).
-        backend: ``"auto"`` (compiled for large tensors when torch.compile works), ``"eager"``
-            or ``"compiled"``; all give identical bits.
+        backend: ``"auto"`` (compiled once that pays, :mod:`.dispatch`), ``"eager"`` or
+            ``"compiled"``; all give identical bits.
 
     Returns:
         A new float32 tensor shaped like ``x``; for ``fmt="fp32"`` the float32 values of ``x``.
@@ -260,38 +247,57 @@ def quantize(
             device=x32.device,
             dtype=torch.int32,
         )
-    if _compiled_for(x32, backend):
-        return _run_compiled(x32, rnd, fmt, saturate, strict=backend == "compiled")
-    return _eager_kernel(fmt, saturate)(x32, rnd)
+    if rnd is None:
+        return _round_nearest(x32, fmt, saturate, backend)[0]
+    out = _STOCHASTIC.run(
+        (x32.detach().reshape(-1), rnd.reshape(-1)),
+        constant_tensors(fmt, saturate, x32.device),
+        lambda: with_sign(x32, round_bits(x32, rnd, _constants(fmt, saturate))),
+        backend,
+    )
+    return shaped(out, x32.shape)
 
 
-def _run_compiled(
-    x: Tensor, rnd: Tensor | None, fmt: Format, saturate: bool, strict: bool, count: bool = False
-):
-    global _compile_broken
-    # One graph per variant for every size: flatten, and mark the length dynamic so that a new
-    # shape does not recompile (the constants stay static, see _compiled_kernel).
-    flat = x.detach().reshape(-1)  # rounding is not differentiable; one graph, no grad guard
-    flat_rnd = None if rnd is None else rnd.reshape(-1)
-    torch._dynamo.mark_dynamic(flat, 0)
-    if flat_rnd is not None:
-        torch._dynamo.mark_dynamic(flat_rnd, 0)
-    try:
-        out = _compiled_kernel(fmt, saturate, rnd is not None, count)(flat, flat_rnd)
-    except Exception as err:  # no C++ compiler, unsupported platform, ...
-        if strict:
-            raise
-        _compile_broken = True
-        warnings.warn(
-            f"torch.compile failed for the quantize kernel ({type(err).__name__}: {err}); "
-            "using the eager kernel, which gives the same bits more slowly",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        return _eager_kernel(fmt, saturate, count)(x, rnd)
-    if count:
-        return (out[0].view(x.shape), out[1], out[2])
-    return out.view(x.shape)
+def shaped(flat: Tensor, shape: torch.Size) -> Tensor:
+    """A flat kernel result in ``shape``, not a view: a custom autograd function returning it
+    may see it modified in place (``ReLU(inplace=True)`` after a layer)."""
+    return flat.view(shape).detach()
+
+
+def _round_nearest(
+    x32: Tensor, fmt: Format, saturate: bool, backend: str, count: bool = False
+) -> tuple[Tensor, Tensor | None]:
+    """``(rounded, counts)``: counts is an int (overflows, underflows) pair when compiled or
+    asked for, else None."""
+
+    def eager() -> tuple[Tensor, Tensor | None]:
+        c = _constants(fmt, saturate)
+        rounded = round_bits(x32, None, c)
+        counts = torch.stack(_counts(x32, rounded, c, torch.int64)) if count else None
+        return with_sign(x32, rounded), counts
+
+    if x32.numel() > GRAPH_MAX_NUMEL:
+        return eager()
+    flat = x32.detach().reshape(-1)  # rounding is not differentiable
+    out = _NEAREST.run((flat,), constant_tensors(fmt, saturate, x32.device), eager, backend)
+    return shaped(out[0], x32.shape), out[1]
+
+
+def quantize_counted(
+    x: Tensor, fmt: str | Format, saturate: bool = False, *, backend: str = "auto"
+) -> tuple[Tensor, Tensor]:
+    """:func:`quantize_with_counts` with both counts in one tensor: ``(rounded, counts)``,
+    ``counts`` an integer tensor ``[overflows, underflows]`` on ``x``'s device (int32 from the
+    compiled kernel, int64 from the eager one), for callers that sum counts over many calls."""
+    _check_input(x)
+    fmt = get_format(fmt)
+    _check_backend(backend)
+    x32 = x.float()
+    if fmt.mantissa_bits == 23 and fmt.same_range_as_fp32:
+        zero = torch.zeros((), dtype=torch.int64, device=x32.device)
+        counts = torch.stack(((~torch.isfinite(x32)).sum(), zero))
+        return x32.clone() if x32 is x else x32, counts
+    return _round_nearest(x32, fmt, saturate, backend, count=True)
 
 
 def quantize_with_counts(
@@ -306,13 +312,6 @@ def quantize_with_counts(
         values that became zero. Counting fuses into the compiled kernel, so it costs little,
         and nothing is read back to the host.
     """
-    _check_input(x)
-    fmt = get_format(fmt)
-    _check_backend(backend)
-    x32 = x.float()
-    if fmt.mantissa_bits == 23 and fmt.same_range_as_fp32:
-        zero = torch.zeros((), dtype=torch.int64, device=x32.device)
-        return x32.clone() if x32 is x else x32, (~torch.isfinite(x32)).sum(), zero
-    if _compiled_for(x32, backend):
-        return _run_compiled(x32, None, fmt, saturate, strict=backend == "compiled", count=True)
-    return _eager_kernel(fmt, saturate, count=True)(x32, None)
+    rounded, counts = quantize_counted(x, fmt, saturate, backend=backend)
+    counts = counts.to(torch.int64)
+    return rounded, counts[0], counts[1]

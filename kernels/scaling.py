@@ -33,8 +33,18 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from .dispatch import Kernel
 from .formats import Format, get_format
-from .quantize import check_rounding, quantize
+from .quantize import (
+    GRAPH_MAX_NUMEL,
+    check_rounding,
+    constant_tensors,
+    quantize,
+    round_bits,
+    shaped,
+    unpack_constants,
+    with_sign,
+)
 
 __all__ = [
     "AMAX_EPS",
@@ -233,12 +243,41 @@ def amax_to_scale(amax: Tensor, fmt: str | Format, power_of_two: bool = False) -
         tensor(224.)
     """
     fmt = get_format(fmt)
-    wide = torch.float32 if amax.device.type == "mps" else torch.float64
-    scale = fmt.max_finite / torch.clamp(amax.to(wide), min=AMAX_EPS)
-    scale = scale.to(torch.float32)
+    scale = _scale_of(amax, fmt.max_finite)
     if power_of_two:
         scale = torch.exp2(torch.floor(torch.log2(scale)))
     return scale
+
+
+def _scale_of(amax: Tensor, max_finite: float | Tensor) -> Tensor:
+    # `max_finite / t` is `t.reciprocal() * max_finite` for a tensor t (Tensor.__rtruediv__):
+    # written out, so that a graph taking max_finite as a tensor computes the same bits
+    wide = torch.float32 if amax.device.type == "mps" else torch.float64
+    return (torch.clamp(amax.to(wide), min=AMAX_EPS).reciprocal() * max_finite).to(torch.float32)
+
+
+def _round_trip_graph(
+    flat: Tensor, ints: Tensor, floats: Tensor, limits: Tensor
+) -> tuple[Tensor, Tensor]:
+    """:meth:`DynamicScaledCast.round_trip` as one graph for every format: amax, scale,
+    saturating cast, counts and dequantisation; ``limits`` is (max_finite, overflow
+    threshold) in float64."""
+    amax = flat.abs().amax()
+    scale = _scale_of(amax, limits[0])
+    limit = limits[0].to(torch.float32)
+    scaled = flat * scale
+    clamped = torch.clamp(scaled, -limit, limit)
+    rounded = round_bits(clamped, None, unpack_constants(ints, floats))
+    data = with_sign(clamped, rounded)
+    mag = flat.view(torch.int32) & 0x7FFFFFFF
+    lost = (mag >= 0x7F800000) | (scaled.abs() >= limits[1].to(torch.float32))
+    flushed = (rounded == 0) & (mag != 0)
+    counts = torch.stack((lost.sum(dtype=torch.int32), flushed.sum(dtype=torch.int32)))
+    return data * scale.reciprocal(), counts
+
+
+_ROUND_TRIP = Kernel("scaled_round_trip", _round_trip_graph)
+_limits: dict[tuple, Tensor] = {}
 
 
 class DynamicScaledCast(_Counts):
@@ -321,6 +360,38 @@ class DynamicScaledCast(_Counts):
             self._underflows = self._underflows + ((data == 0) & (x32 != 0)).sum()
         self._numel += x32.numel()
         return ScaledTensor(data, scale)
+
+    def round_trip(self, x: Tensor, *, backend: str = "auto") -> Tensor:
+        """``self(x).dequantize()``, counted the same way: the values the fp8 GEMM multiplies.
+
+        Per-tensor nearest rounding without power-of-two scales, the torchao default, runs as
+        one compiled graph once that pays (:mod:`.dispatch`): one pass for the amax, one for
+        the rest; other settings, and the eager path, take the two steps. Same bits either way.
+        """
+        if (
+            self.axis is not None
+            or self.power_of_two
+            or self.rounding != "nearest"
+            or x.numel() > GRAPH_MAX_NUMEL
+        ):
+            return self(x).dequantize()
+        x32 = x.detach().float()
+        key = (self.fmt, x32.device)
+        if key not in _limits:
+            wide = torch.float32 if x32.device.type == "mps" else torch.float64  # as _scale_of
+            limits = [self.fmt.max_finite, self.fmt.overflow_threshold]
+            _limits[key] = torch.tensor(limits, dtype=wide, device=x32.device)
+        constants = (*constant_tensors(self.fmt, True, x32.device), _limits[key])
+        out, counts = _ROUND_TRIP.run(
+            (x32.reshape(-1),), constants, lambda: (self(x32).dequantize(), None), backend
+        )
+        if counts is not None:  # the eager path counted already
+            self._numel += x32.numel()
+            if self.count:
+                counts = counts.long()
+                self._overflows = self._overflows + counts[0]
+                self._underflows = self._underflows + counts[1]
+        return shaped(out, x32.shape)
 
     def __repr__(self) -> str:
         return (

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from autoprec.kernels import DynamicScaledCast, Format, get_format, quantize, quantize_with_counts
+from autoprec.kernels import DynamicScaledCast, Format, get_format, quantize, quantize_counted
 from autoprec.precision import Precision
 
 STREAMS = (
@@ -74,30 +74,31 @@ class _Cast:
         self.scaled = DynamicScaledCast(fmt, count=count) if scaled else None
         self.count = count
         self.fresh_only = fresh_only
-        self.overflows: Tensor | int = 0
-        self.underflows: Tensor | int = 0
+        self._counts: Tensor | None = None  # [overflows, underflows], on the tensors' device
 
     def __call__(self, x: Tensor) -> Tensor:
         x = x.detach()
         if self.scaled is not None:
-            return self.scaled(x).dequantize()
+            return self.scaled.round_trip(x)  # scale, round, count, unscale: one kernel
         if not self.count:
             return quantize(x, self.fmt)
-        rounded, over, under = quantize_with_counts(x, self.fmt)  # counted in the one kernel
-        if self.fresh_only:
+        rounded, counts = quantize_counted(x, self.fmt)  # counted in the one kernel
+        if self.fresh_only and (x.device.type != "cpu" or int(counts[0])):
             # the fused count includes every non-finite value that arrived (its result is not
             # finite either); on the CPU, where reading a count back is free, look for them
             # only when something overflowed
-            if x.device.type != "cpu" or int(over):
-                over = over - (~torch.isfinite(x)).sum()
-        self.overflows = self.overflows + over
-        self.underflows = self.underflows + under
+            arrived = (~torch.isfinite(x)).sum()
+            counts = counts - torch.stack((arrived, torch.zeros_like(arrived)))
+        self._counts = counts.long() if self._counts is None else self._counts + counts
         return rounded
 
     def counts(self) -> tuple[int, int]:
         if self.scaled is not None:
             return self.scaled.overflows, self.scaled.underflows
-        return int(self.overflows), int(self.underflows)
+        if self._counts is None:
+            return 0, 0
+        over, under = self._counts.tolist()
+        return over, under
 
 
 class _Call:

@@ -18,7 +18,6 @@ from kernel_helpers import (
 )
 
 from autoprec.kernels import get_format, quantize, quantize_with_counts
-from autoprec.kernels.quantize import _use_compiled
 
 
 def sample(name: str, n_sweep: int = 1_000_000, n_bits: int = 250_000) -> torch.Tensor:
@@ -108,16 +107,6 @@ def test_bad_arguments():
         quantize(torch.zeros(2), "bf16", rounding="down")
     with pytest.raises(ValueError, match="backend"):
         quantize(torch.zeros(2), "bf16", backend="cuda")
-
-
-def test_compile_switch(monkeypatch):
-    big, small = torch.zeros(1 << 16), torch.zeros(8)
-    monkeypatch.delenv("AUTOPREC_COMPILE", raising=False)
-    assert _use_compiled(big) and not _use_compiled(small)
-    monkeypatch.setenv("AUTOPREC_COMPILE", "0")
-    assert not _use_compiled(big)
-    monkeypatch.setenv("AUTOPREC_COMPILE", "1")
-    assert _use_compiled(small)
 
 
 # --- stochastic rounding ---------------------------------------------------------------------

@@ -1,0 +1,121 @@
+"""When the rounding kernels compile: one graph for every shape and format, the pay-off rule,
+the compile-time bound, and the same bits whichever path runs."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from kernel_helpers import assert_same_bits
+from torch._dynamo.utils import counters
+
+from autoprec.kernels import DynamicScaledCast, dispatch, quantize, quantize_with_counts
+
+QUANTIZE = importlib.import_module("autoprec.kernels.quantize")  # the module, not the function
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """No graph built yet, no compile time spent, no AUTOPREC_COMPILE override."""
+    monkeypatch.delenv("AUTOPREC_COMPILE", raising=False)
+    monkeypatch.setattr(dispatch, "_PROCESS", dispatch._Process())
+    kernel = dispatch.Kernel("test_nearest", QUANTIZE._NEAREST.fn)
+    monkeypatch.setattr(QUANTIZE, "_NEAREST", kernel)
+    return kernel
+
+
+def test_one_graph_for_every_shape_and_format(fresh, monkeypatch):
+    monkeypatch.setenv("AUTOPREC_COMPILE", "1")
+    counters.clear()
+    big = torch.randn(5000) * 1000
+    for fmt in ("bf16", "fp16", "tf32", "fp8_e4m3", "fp8_e5m2"):
+        for x in (big, big[:77], big[3:].view(-1, 19), big.view(50, 100).t()):
+            want = quantize(x, fmt, backend="eager")
+            assert_same_bits(quantize(x, fmt), want, x)
+    stats = fresh.stats["cpu"]
+    assert counters["stats"]["unique_graphs"] == 1
+    assert stats.eager_calls == stats.fallback_calls == 0 and stats.compiled_calls == 20
+
+
+class _PassThrough(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: D105
+        return func(*args, **(kwargs or {}))
+
+
+def test_graph_runs_inside_a_torch_function_mode(fresh, monkeypatch):
+    """The runtime rounds inside its WeightUseMode; dynamo guards on the mode stack."""
+    monkeypatch.setenv("AUTOPREC_COMPILE", "1")
+    x = torch.randn(1000)
+    quantize(x, "bf16")
+    counters.clear()
+    with _PassThrough():
+        assert_same_bits(quantize(x, "bf16"), quantize(x, "bf16", backend="eager"), x)
+    assert counters["stats"]["unique_graphs"] == 0  # nothing new was compiled
+    assert fresh.stats["cpu"].fallback_calls == 0  # and the graph ran
+
+
+def test_compiles_once_eager_has_cost_as_much(fresh, monkeypatch):
+    monkeypatch.setenv("AUTOPREC_COMPILE_PAYBACK", "0.05")
+    x = torch.randn(20000)
+    want = quantize(x, "fp16", backend="eager")
+    calls = 0
+    while fresh.stats.get("cpu") is None or fresh.stats["cpu"].graph is None:
+        assert_same_bits(quantize(x, "fp16"), want, x)
+        calls += 1
+        assert calls < 10_000
+    stats = fresh.stats["cpu"]
+    assert stats.eager_s >= 0.05 and stats.eager_calls == calls - 1
+    assert stats.build_s is not None and dispatch.compile_budget_spent() == stats.build_s
+    assert_same_bits(quantize(x, "fp16"), want, x)
+    assert stats.compiled_calls == 2
+
+
+def test_spent_budget_keeps_kernels_eager(fresh, monkeypatch):
+    monkeypatch.setenv("AUTOPREC_COMPILE_PAYBACK", "0")
+    monkeypatch.setenv("AUTOPREC_COMPILE_BUDGET", "1")
+    dispatch._PROCESS.spent_s = 1.0  # as if other kernels had taken the whole budget
+    x = torch.randn(4096)
+    for _ in range(3):
+        got, over, under = quantize_with_counts(x, "bf16")
+        want = quantize_with_counts(x, "bf16", backend="eager")
+        assert_same_bits(got, want[0], x)
+        assert (over, under) == (want[1], want[2])
+    assert fresh.stats["cpu"].graph is None and fresh.stats["cpu"].eager_calls == 3
+
+
+def test_compile_switch(fresh, monkeypatch):
+    x = torch.randn(100)
+    monkeypatch.setenv("AUTOPREC_COMPILE", "0")
+    monkeypatch.setenv("AUTOPREC_COMPILE_PAYBACK", "0")
+    quantize(x, "bf16")
+    assert fresh.stats["cpu"].graph is None
+    monkeypatch.setenv("AUTOPREC_COMPILE", "1")
+    quantize(x, "bf16")
+    assert fresh.stats["cpu"].graph is not None
+    monkeypatch.setenv("AUTOPREC_COMPILE_BUDGET", "soon")
+    monkeypatch.delenv("AUTOPREC_COMPILE")
+    fresh.reset()
+    with pytest.raises(ValueError, match="AUTOPREC_COMPILE_BUDGET"):
+        quantize(x, "bf16")
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+def test_scaled_round_trip_is_the_two_step_cast(fmt, backend):
+    specials = torch.tensor([0.0, -0.0, 1e-30, -3e-7, 2.0**-130])
+    cases = [
+        torch.cat([torch.randn(3000) * 1000, specials]),
+        torch.randn(40, 25) * 1e-6,
+        torch.zeros(64),
+        torch.cat([torch.randn(50), torch.tensor([float("inf")])]),
+        torch.cat([torch.randn(50), torch.tensor([float("nan")])]),
+    ]
+    for x in cases:
+        two_step, fused = DynamicScaledCast(fmt), DynamicScaledCast(fmt)
+        want = two_step(x).dequantize()
+        assert_same_bits(fused.round_trip(x, backend=backend), want, x)
+        assert (fused.overflows, fused.underflows, fused.numel) == (
+            two_step.overflows,
+            two_step.underflows,
+            two_step.numel,
+        )
