@@ -53,6 +53,7 @@ def test_random_search_exports_a_valid_best_policy_and_pareto_files(tmp_path, ca
     assert len(trials) >= 4  # header + 3 real trials
     err = capsys.readouterr().err
     assert "optimising for h100-sxm" in err and "best policy" in err and "phases:" in err
+    assert "sensitivity: sweep of all 4 layers" in err  # the method chosen, and why
 
 
 def test_config_file_with_flags_overriding(tmp_path, capsys):

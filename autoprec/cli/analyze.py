@@ -2,49 +2,36 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import click
 
+from autoprec._text import excerpt
 from autoprec.cli._setup import SMALL_IMAGE, train_shape_option
 from autoprec.defaults import DEFAULT_DATASET
-
-#: Without a terminal, a progress line on stderr at most this often (seconds).
-PROGRESS_EVERY_S = 5.0
+from autoprec.graph.budget import DEFAULT_TIME_BUDGET_S, check_budget
 
 
-@contextlib.contextmanager
-def _progress(what: str, total: int) -> Iterator[Callable[[], None]]:
-    """A callback to call once per step done: rich's transient bar where stderr is a terminal,
-    else a plain line on stderr now and then at most every :data:`PROGRESS_EVERY_S` seconds
-    (rich draws nothing where it is not a terminal, so a log would show nothing until the end).
+class AnalyzeOptionError(ValueError):
+    """An option of ``autoprec analyze`` has a value it cannot use."""
+
+
+def _time_budget(text: str | None) -> float:
+    """``--time-budget`` in seconds (the default when not given).
+
+    Raises:
+        AnalyzeOptionError: not a positive, finite number (one line, quoting the value).
     """
-    from rich.console import Console
-    from rich.progress import Progress
-
-    console = Console(stderr=True)
-    if console.is_terminal:
-        with Progress(console=console, transient=True) as bar:
-            task = bar.add_task(what, total=total)
-            yield lambda: bar.advance(task)
-        return
-    start = last = time.perf_counter()
-    done = 0
-    click.echo(f"{what}: 0/{total}", err=True)
-
-    def advance() -> None:
-        nonlocal done, last
-        done += 1
-        now = time.perf_counter()
-        if now - last >= PROGRESS_EVERY_S or done == total:
-            last = now
-            click.echo(f"{what}: {done}/{total} ({now - start:.0f} s)", err=True)
-
-    yield advance
+    if text is None:
+        return DEFAULT_TIME_BUDGET_S
+    try:
+        return check_budget(float(text))
+    except ValueError:
+        raise AnalyzeOptionError(
+            f"--time-budget {excerpt(text)}: expected a positive number of seconds, such as "
+            f"{DEFAULT_TIME_BUDGET_S:.0f}"
+        ) from None
 
 
 class AnalyzeOutputError(ValueError):
@@ -85,6 +72,20 @@ def _heatmap(table, sens, path: Path) -> None:
     fig.savefig(tmp, dpi=110)
     plt.close(fig)
     tmp.replace(path)
+
+
+def _sensitivity_summary(sens, data_name: str) -> str:
+    """The last line about the sensitivities: the method, what it measured, the time."""
+    what = sens.method
+    if sens.method == "focused":
+        swept = sum(sens.measured)
+        what += f" ({swept} of {len(sens.layers)} layers swept; ~: interpolated, not measured)"
+    elif sens.method == "taylor":
+        what += " (~: estimated, not measured)"
+    return (
+        f"sensitivity: {what} on {data_name}, {sens.wall_time_s:.1f} s (1-cos: one minus the "
+        "cosine of the full gradient to fp32's, float64)"
+    )
 
 
 def _inputs(row) -> str:
@@ -142,7 +143,21 @@ def _coverage(table) -> str:
 @click.option("--batches", type=int, default=4, show_default=True)
 @click.option("--precisions", default="fp32,tf32,bf16,fp16,fp8", show_default=True)
 @click.option(
-    "--method", type=click.Choice(["sweep", "taylor"]), default="sweep", show_default=True
+    "--method",
+    type=click.Choice(["auto", "sweep", "focused", "taylor"]),
+    default="auto",
+    show_default=True,
+    help="sweep: every layer at every precision, measured; taylor: a one-pass estimate; "
+    "focused: the sweep of as many layers as fit --time-budget, a layer of each role in the "
+    "repeated blocks first, the rest interpolated (marked ~); auto: the most accurate that fits.",
+)
+@click.option(
+    "--time-budget",
+    "time_budget",
+    metavar="SECONDS",
+    default=None,
+    help=f"Seconds for the sensitivities, fp32 warm-up included, for auto and focused "
+    f"(default {DEFAULT_TIME_BUDGET_S:.0f}).",
 )
 @click.option("--no-sensitivity", is_flag=True, help="Only the layer table (FLOPs, bytes).")
 @click.option("--seed", type=int, default=0, show_default=True)
@@ -168,6 +183,7 @@ def analyze(
     batches,
     precisions,
     method,
+    time_budget,
     no_sensitivity,
     seed,
     json_path,
@@ -177,16 +193,17 @@ def analyze(
     """Analyse a model's tunable layers and grade each one's need for precision, and say which
     precisions each layer can train in natively on the target (and why not)."""
     _check_outputs({"--json": json_path, "--heatmap": heatmap})  # before any model work
+    budget = _time_budget(time_budget)
     from rich.console import Console
     from rich.table import Table
 
     from autoprec.cli._setup import production_spec, resolve_target
+    from autoprec.cli.sensitivity_progress import sensitivity_progress
     from autoprec.data import load_dataset_for
     from autoprec.graph import analyze as analyze_model
     from autoprec.graph import sensitivity
     from autoprec.hardware.runnability import describe
     from autoprec.models import load_model, model_task
-    from autoprec.precision import Precision, parse_precision
 
     device, _ = resolve_target(target)
     if image_size is None and model_task(model_name) in (None, "image-classification"):
@@ -200,9 +217,8 @@ def analyze(
     if not no_sensitivity:
         data = load_dataset_for(spec, dataset, root=data_dir, download=download, seed=seed)
         formats = [p.strip() for p in precisions.split(",") if p.strip()]
-        lowered = [f for f in formats if parse_precision(f) is not Precision.FP32]
-        what = f"sensitivity ({method} on {data.name}, {len(table)} layers x {len(lowered)})"
-        with _progress(what, len(table) * len(lowered)) as advance:
+        err = Console(stderr=True)
+        with sensitivity_progress(err, f"sensitivity on {data.name}") as (progress, on_plan):
             sens = sensitivity(
                 spec,
                 data,
@@ -210,8 +226,10 @@ def analyze(
                 batches,
                 batch_size=batch_size,
                 method=method,
+                time_budget_s=budget,
                 seed=seed,
-                progress=advance,
+                progress=progress,
+                on_plan=on_plan,
             )
     console = Console()
     if not console.is_terminal:
@@ -243,7 +261,8 @@ def analyze(
             _inputs(row),
             _native(runnable[row.name], reasons),
         ]
-        cells += [f"{sens.distance(row.name, p):.1e}" for p in shown]
+        mark = "" if sens is None or sens.is_measured(row.name) else "~"
+        cells += [f"{mark}{sens.distance(row.name, p):.1e}" for p in shown]
         out.add_row(*cells)
     console.print(out)
     console.print(
@@ -260,10 +279,7 @@ def analyze(
             highlight=False,
         )
     if sens is not None:
-        console.print(
-            f"sensitivity: {sens.method} on {data.name}, {sens.wall_time_s:.1f} s "
-            "(1-cos: one minus the cosine of the full gradient to fp32's, float64)"
-        )
+        console.print(_sensitivity_summary(sens, data.name), highlight=False, soft_wrap=True)
     if json_path:
         doc = json.loads(table.to_json())
         doc["sensitivity"] = None if sens is None else sens.to_dict()

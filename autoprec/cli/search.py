@@ -35,6 +35,7 @@ from autoprec.cli.interrupt import terminate_as_interrupt
 from autoprec.cli.search_config import SearchSetupError, merge_config
 from autoprec.cli.search_export import Exporter, SearchExportError
 from autoprec.cli.search_progress import Progress, console
+from autoprec.cli.sensitivity_progress import build_surrogate
 from autoprec.cli.verify import SEARCH_VERIFY_SEEDS, SEARCH_VERIFY_STEPS
 from autoprec.evaluate.reward import DEFAULT_TOLERANCE, DEFAULT_WEIGHTS
 from autoprec.verify import WARM_START_LR
@@ -199,9 +200,10 @@ class _SearchRun:
         return 0
 
     @contextlib.contextmanager
-    def _phase(self, name: str) -> Iterator[None]:
+    def _phase(self, name: str, draws_progress: bool = False) -> Iterator[None]:
         begin = time.perf_counter()
-        with self.console.status(f"[bold]{name}[/] ..."):
+        spinner = self.console.status(f"[bold]{name}[/] ...")
+        with contextlib.nullcontext() if draws_progress else spinner:
             yield
         self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - begin
         self.console.print(f"{name}: {self.phases[name]:.1f} s")
@@ -260,8 +262,8 @@ class _SearchRun:
         )
         with self._phase("warm start and fp32 reference"):
             evaluator.reference()
-        with self._phase("sensitivity"):
-            evaluator.surrogate()
+        with self._phase("sensitivity", draws_progress=True):
+            build_surrogate(evaluator, self.console)
         problem = Problem(evaluator, fidelity=o["fidelity"], reward=reward, precisions=precisions)
         self.device = device
         self.problem = problem

@@ -56,9 +56,7 @@ from autoprec.policy import PrecisionPolicy, resolve_mode
 from autoprec.precision import Precision
 
 SURROGATE_REFERENCE = "short"  # the real fidelity whose fp32 run anchors surrogate predictions
-SURROGATE_TAYLOR_ABOVE = 30  # more tunable layers than this: taylor sensitivities, else sweep
-SURROGATE_SWEEP_BATCHES = 2
-SURROGATE_TAYLOR_BATCHES = 4
+SURROGATE_BATCHES = 2  # fixed batches of the sensitivity table (one concatenated pass)
 SURROGATE_BATCH_SIZE = 32
 
 
@@ -234,31 +232,35 @@ class Evaluator:
         fid = check_fidelity(fidelity or self.fidelity)
         return self._reference(SURROGATE_REFERENCE if fid == "surrogate" else fid)
 
-    def surrogate(self) -> Surrogate:
+    def surrogate(
+        self,
+        progress: Callable[[str, int, int], None] | None = None,
+        on_plan: Callable[[Any], None] | None = None,
+    ) -> Surrogate:
         """The surrogate, built on first use and fitted on :attr:`surrogate_pairs`.
 
         Its sensitivity table comes from :func:`autoprec.graph.grade.sensitivity`, measured on
         this evaluator's fp32 warm start (the very weights every evaluation fine-tunes) with
-        its seed, ``cache=True`` (on disk under ``$AUTOPREC_CACHE_DIR``): ``method="sweep"`` on
-        2 batches of 32 for models with at most 30 tunable layers (exact one-layer
-        measurements), ``method="taylor"`` on 4 batches of 32 otherwise (one pass whatever the
-        depth).
+        its seed, on 2 batches of 32, ``cache=True`` (on disk under ``$AUTOPREC_CACHE_DIR``),
+        ``method="auto"``: the full sweep (exact one-layer measurements) when it fits the
+        default time budget, else the focused sweep, else the Taylor estimate
+        (:mod:`autoprec.graph.budget`). ``progress`` and ``on_plan`` are handed to it when the
+        table is computed (see there).
         """
         if self._surrogate is None:
             from autoprec.graph.grade import sensitivity
-            from autoprec.layers import tunable_layers
 
-            n_layers = sum(1 for _ in tunable_layers(self.spec.module))
-            taylor = n_layers > SURROGATE_TAYLOR_ABOVE
             table = sensitivity(
                 self.spec,
                 self.data,
-                batches=SURROGATE_TAYLOR_BATCHES if taylor else SURROGATE_SWEEP_BATCHES,
+                batches=SURROGATE_BATCHES,
                 batch_size=SURROGATE_BATCH_SIZE,
-                method="taylor" if taylor else "sweep",
+                method="auto",
                 train_steps=0,
                 seed=self.seed,
                 cache=True,
+                progress=progress,
+                on_plan=on_plan,
                 initial_state=self._warm.state(),
                 initial_state_key=self._warm.key,
             )

@@ -6,6 +6,8 @@
 - :mod:`.analyze`: ``analyze(spec, batch) -> LayerTable`` (FLOPs, bytes, position, geometry).
 - :mod:`.trace`: the modes that record one training step for it (layers found by parameter).
 - :mod:`.grade`: ``sensitivity(spec, data, formats) -> SensitivityTable``.
+- :mod:`.measure`: the passes behind it (the sweep's, the Taylor estimate's).
+- :mod:`.budget`: each method's predicted cost, and the choice of one within a time budget.
 
 The table and the cache load with the package; the names that need torch load on first use, so
 ``from autoprec.graph.table import LayerTable`` does not import torch.
@@ -23,24 +25,29 @@ from autoprec.graph.table import FLOP_UNIT, LayerRow, LayerTable
 
 if TYPE_CHECKING:  # pragma: no cover
     from autoprec.graph.analyze import AnalysisError, analyze
-    from autoprec.graph.grade import METHODS, Sensitivity, SensitivityTable, sensitivity
+    from autoprec.graph.budget import DEFAULT_TIME_BUDGET_S, METHODS, SensitivityPlan
+    from autoprec.graph.grade import Sensitivity, SensitivityTable, sensitivity
 
 _LAZY = {
     "AnalysisError": "autoprec.graph.analyze",
     "analyze": "autoprec.graph.analyze",
-    "METHODS": "autoprec.graph.grade",
+    "DEFAULT_TIME_BUDGET_S": "autoprec.graph.budget",
+    "METHODS": "autoprec.graph.budget",
+    "SensitivityPlan": "autoprec.graph.budget",
     "Sensitivity": "autoprec.graph.grade",
     "SensitivityTable": "autoprec.graph.grade",
     "sensitivity": "autoprec.graph.grade",
 }
 
 __all__ = [
+    "DEFAULT_TIME_BUDGET_S",
     "FLOP_UNIT",
     "AnalysisError",
     "METHODS",
     "LayerRow",
     "LayerTable",
     "Sensitivity",
+    "SensitivityPlan",
     "SensitivityTable",
     "analyze",
     "analyze_named",

@@ -7,7 +7,7 @@ For each (layer, precision) two numbers, both against the fp32 model on the same
   distance ``1 - cosine`` is the primary score: it catches gradients flushed to zero (unscaled
   fp8), which the loss change misses.
 
-Two methods:
+Methods (:mod:`autoprec.graph.budget` predicts their cost and picks one for ``auto``):
 
 - ``sweep``: lower exactly one layer at a time through the runtime (emulate mode) and measure:
   layers x precisions forward/backward passes on one concatenated batch, in eval mode so that
@@ -18,15 +18,21 @@ Two methods:
   ``1/2 sum g^2 d^2``, as NVIDIA ModelOpt's auto_quantize scores layers, and a gradient distance
   from the relative errors of the forward operands and of the output gradient (weighted by the
   share of the gradient norm that flows through that output gradient). No pass per layer.
+- ``focused``: the sweep of as many layers as the time budget allows, taken in turn from each
+  role in the model's repeated blocks (``blocks.#.mlp.fc#``) and spread over the depth, the
+  others interpolated over depth between the swept layers of their role
+  (:func:`autoprec.graph.budget.fill`); ``SensitivityTable.measured`` says which rows were
+  measured.
+- ``auto``: the sweep if it fits the budget, else the focused sweep, else the estimate.
 
-Results are cached on disk by (model fingerprint, data key, seed and settings).
+Results are cached on disk by (model fingerprint, data key, seed and settings, the method and
+budget asked for among them; ``auto`` first looks for a cached full sweep).
 """
 
 from __future__ import annotations
 
 import copy
 import hashlib
-import itertools
 import json
 import math
 import time
@@ -37,16 +43,25 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from torch import nn
 
 from autoprec.cache import cache_dir, read_entry, write_entry
-from autoprec.kernels import ScaledCast, quantize
-from autoprec.layers import model_fingerprint, tunable_layers
+from autoprec.graph.budget import (
+    DEFAULT_TIME_BUDGET_S,
+    Costs,
+    Row,
+    SensitivityPlan,
+    check_budget,
+    check_method,
+    fill,
+    plan,
+    priority,
+    warm_up_steps,
+)
+from autoprec.graph.measure import Measurer, row
+from autoprec.layers import model_fingerprint
 from autoprec.precision import Precision, parse_precision
-from autoprec.pretrain import BACKOFF_SETTINGS, backoff_note, train_fp32
-from autoprec.runtime import GuardConfig, apply_policy
+from autoprec.pretrain import BACKOFF_SETTINGS, MAX_BACKOFFS, backoff_note, train_fp32
 
-METHODS = ("taylor", "sweep")
 DEFAULT_FORMATS = ("fp32", "tf32", "bf16", "fp16", "fp8")
 
 
@@ -79,7 +94,13 @@ def _indexes(table: SensitivityTable, axis: str) -> dict[str, int]:
 
 @dataclass(frozen=True)
 class SensitivityTable:
-    """Sensitivities of every layer at every precision; matrices are [layer][precision]."""
+    """Sensitivities of every layer at every precision; matrices are [layer][precision].
+
+    ``method`` is what ran (``sweep``, ``taylor`` or ``focused``); ``settings["method"]`` what
+    was asked (``auto`` among them). ``measured`` marks, per layer, a row swept (True) or
+    estimated (False); empty means every row came from ``method`` (see :meth:`is_measured`).
+    ``note`` says why the method was chosen, for ``auto`` and ``focused``.
+    """
 
     method: str
     model: str
@@ -92,6 +113,17 @@ class SensitivityTable:
     reference_loss: float
     wall_time_s: float
     settings: dict
+    measured: tuple[bool, ...] = ()
+    note: str = ""
+
+    def is_measured(self, layer: str) -> bool:
+        """Whether ``layer``'s row was swept (measured) rather than estimated.
+
+        Raises:
+            KeyError: the table has no such layer.
+        """
+        i = self._rows()[layer]
+        return self.measured[i] if self.measured else self.method == "sweep"
 
     def distance(self, layer: str, precision: str) -> float:
         """``1 - grad_cosine`` of one layer at one precision (see :func:`grad_distance`).
@@ -141,45 +173,19 @@ class SensitivityTable:
     @classmethod
     def from_dict(cls, d: dict) -> SensitivityTable:
         d = dict(d)
-        for key in ("layers", "precisions"):
-            d[key] = tuple(d[key])
+        for key in ("layers", "precisions", "measured"):
+            d[key] = tuple(d.get(key, ()))
         for key in ("loss_delta", "grad_cosine"):
             d[key] = tuple(tuple(row) for row in d[key])
         return cls(**d)
 
 
-# --- helpers -----------------------------------------------------------------------------------
-
-
-def _flat_grad(model: nn.Module) -> torch.Tensor:
-    return torch.cat(
-        [
-            (p.grad if p.grad is not None else torch.zeros_like(p)).detach().flatten().double()
-            for p in model.parameters()
-            if p.requires_grad
-        ]
-    )
-
-
-def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Cosine similarity; a non-finite gradient (diverged) scores 0, two zero gradients 1."""
-    if not torch.isfinite(a).all():
-        return 0.0
-    na, nb = a.norm(), b.norm()
-    if na == 0 or nb == 0:
-        return 1.0 if na == nb else 0.0
-    return float(torch.dot(a, b) / (na * nb))
-
-
-def _loss_and_grad(model: nn.Module, spec: Any, x, y) -> tuple[float, torch.Tensor]:
-    model.zero_grad(set_to_none=True)
-    loss = spec.loss(model(x), y)
-    loss.backward()
-    return float(loss.detach()), _flat_grad(model)
+#: ``progress(stage, done, total)``: called as each stage starts (``done`` 0) and after each step
+Progress = Callable[[str, int, int], None]
 
 
 def _warm_start(
-    model: nn.Module, spec: Any, data: Any, steps: int, lr: float, batch: int, seed: int
+    model: torch.nn.Module, spec: Any, data: Any, steps: int, lr: float, batch: int, seed: int
 ) -> None:
     """``steps`` fp32 SGD steps at ``lr``, backed off to a rate at which the model learns
     (:func:`autoprec.pretrain.train_fp32`; when none does, the last attempt's weights, with a
@@ -200,133 +206,29 @@ def _warm_start(
         warnings.warn(note, stacklevel=3)
 
 
-def _measurement_mode(model: nn.Module) -> None:
-    """Eval mode (no dropout) except batch norm, which keeps using batch statistics.
-
-    Every measurement then sees the same function of the same batch. Batch norm on the running
-    statistics of a briefly trained model can shrink activations into fp32 subnormals, which
-    slows a CPU down many times over.
-    """
-    model.eval()
-    for m in model.modules():
-        if isinstance(m, nn.modules.batchnorm._BatchNorm):
-            m.train()
-
-
-def _round_like_runtime(t: torch.Tensor, precision: Precision, stream: str) -> torch.Tensor:
-    """What the emulate runtime turns ``t`` into (fp8: scaled by its own amax, first call)."""
-    fmt = precision.backward_format if stream == "grad_output" else precision.forward_format
-    if precision.scaled:
-        return ScaledCast(fmt)(t).dequantize()
-    return quantize(t, fmt)
-
-
-# --- methods -----------------------------------------------------------------------------------
-
-
-def _grid(names, precisions, measure, progress):
-    """Fill the [layer][precision] matrices; fp32 is the reference (no change, cosine 1)."""
-    loss_delta, cosine = [], []
-    for i, name in enumerate(names):
-        row_l, row_c = [], []
-        for p in precisions:
-            if p is Precision.FP32:
-                change, cos = 0.0, 1.0
-            else:
-                change, cos = measure(i, name, p)
-                if progress:
-                    progress()
-            row_l.append(change)
-            row_c.append(cos)
-        loss_delta.append(tuple(row_l))
-        cosine.append(tuple(row_c))
-    return loss_delta, cosine
-
-
-def _sweep(model, spec, x, y, names, precisions, ref_loss, ref_grad, progress):
-    guard = GuardConfig(count=False)
-
-    def measure(i, name, p):
-        with apply_policy(model, {name: p}, mode="emulate", guard=guard):
-            loss, grad = _loss_and_grad(model, spec, x, y)
-        change = (loss - ref_loss) / abs(ref_loss) if math.isfinite(loss) else math.inf
-        return change, _cosine(grad, ref_grad)
-
-    return _grid(names, precisions, measure, progress)
-
-
-def _taylor(model, spec, x, y, names, precisions, ref_loss, progress):
-    modules = dict(tunable_layers(model))
-    saved: dict[str, dict[str, torch.Tensor]] = {n: {} for n in names}
-    hooks = []
-    for name in names:
-
-        def pre(mod, args, name=name):
-            inp = args[0]
-            if not (isinstance(inp, torch.Tensor) and inp.is_floating_point()):
-                return None
-            if inp.requires_grad:  # keep the graph whole; just keep this gradient too
-                inp.retain_grad()
-                saved[name]["x"] = inp
-                return None
-            inp = inp.detach().requires_grad_(True)  # model input: nothing upstream to cut
-            saved[name]["x"] = inp
-            return (inp, *args[1:])
-
-        def post(mod, args, out, name=name):
-            out = out[0] if isinstance(out, tuple) else out
-            if out.requires_grad:
-                out.register_hook(lambda g, name=name: saved[name].__setitem__("go", g.detach()))
-
-        hooks += [
-            modules[name].register_forward_pre_hook(pre),
-            modules[name].register_forward_hook(post),
-        ]
-    model.zero_grad(set_to_none=True)
-    try:
-        spec.loss(model(x), y).backward()
-    finally:
-        for h in hooks:
-            h.remove()
-    grad_sq = {
-        n: sum(
-            float(p.grad.double().pow(2).sum())
-            for p in modules[n].parameters()
-            if p.grad is not None
-        )
-        for n in names
-    }
-    total_sq = float(_flat_grad(model).pow(2).sum()) or 1.0
-    upstream = list(itertools.accumulate(grad_sq[n] for n in names))  # execution order
-
-    def measure(i, name, p):
-        m, s = modules[name], saved[name]
-        weights = [w for n, w in m.named_parameters() if "bias" not in n and w.grad is not None]
-        first = second = rel_fwd = 0.0
-        pairs = [(w.detach(), w.grad) for w in weights]
-        if "x" in s and s["x"].grad is not None:
-            pairs.append((s["x"].detach(), s["x"].grad))
-        for t, g in pairs:
-            d = (_round_like_runtime(t, p, "forward") - t).double()
-            gd = g.double()
-            first += float((gd * d).sum())
-            second += 0.5 * float((gd.pow(2) * d.pow(2)).sum())
-            rel_fwd += float(d.pow(2).sum() / t.double().pow(2).sum().clamp_min(1e-300))
-        rel_bwd = 0.0
-        if "go" in s:
-            go = s["go"]
-            dgo = (_round_like_runtime(go, p, "grad_output") - go).double()
-            rel_bwd = float(dgo.pow(2).sum() / go.double().pow(2).sum().clamp_min(1e-300))
-        distance = 0.5 * (rel_fwd + upstream[i] / total_sq * min(rel_bwd, 4.0))
-        return (first + second) / abs(ref_loss), 1.0 - min(distance, 2.0)
-
-    result = _grid(names, precisions, measure, progress)
-    model.zero_grad(set_to_none=True)
-    return result
+def _step_seconds(model: torch.nn.Module, spec: Any, data: Any, batch: int, seed: int) -> float:
+    """One fp32 forward and backward pass at the warm-up's batch, timed on a copy of ``model``
+    (so that its batch-norm statistics stay as they are); the second of two (the first call
+    allocates)."""
+    probe = copy.deepcopy(model).train()
+    x, y = next(iter(data.loader("train", batch_size=batch, shuffle=True, seed=seed)))
+    took = []
+    for _ in range(2):
+        start = time.perf_counter()
+        spec.loss(probe(x), y).backward()
+        took.append(time.perf_counter() - start)
+    return took[-1]
 
 
 def _read_table(path: Path) -> SensitivityTable:
     return SensitivityTable.from_dict(json.loads(path.read_text()))
+
+
+def _entry(fingerprint: str, data_key: str, settings: dict) -> Path:
+    key = hashlib.sha256(
+        json.dumps([fingerprint, data_key, settings], sort_keys=True).encode()
+    ).hexdigest()[:24]
+    return cache_dir() / "sensitivity" / f"{key}.json"
 
 
 def sensitivity(
@@ -337,11 +239,13 @@ def sensitivity(
     *,
     batch_size: int = 8,
     method: str = "sweep",
+    time_budget_s: float = DEFAULT_TIME_BUDGET_S,
     train_steps: int = 30,
     lr: float = 0.05,
     seed: int = 0,
     cache: bool = True,
-    progress: Callable[[], None] | None = None,
+    progress: Progress | None = None,
+    on_plan: Callable[[SensitivityPlan], None] | None = None,
     initial_state: Mapping[str, torch.Tensor] | None = None,
     initial_state_key: str | None = None,
 ) -> SensitivityTable:
@@ -353,20 +257,33 @@ def sensitivity(
         data: a DataBundle (``loader``, ``fixed_batches``, ``key``).
         formats: precisions to grade (fp32 is the reference and scores 0).
         batches: how many fixed batches of ``batch_size`` to measure on (one concatenated pass).
-        method: ``"sweep"`` (one pass per layer and precision) or ``"taylor"`` (one pass).
+        method: ``"sweep"`` (one pass per layer and precision), ``"taylor"`` (one pass),
+            ``"focused"`` (the sweep of the layers that fit the budget, spread over the roles and
+            the depth, the rest interpolated) or ``"auto"`` (the most accurate that fits).
+        time_budget_s: seconds for the whole call, fp32 warm-up included, for ``auto`` and
+            ``focused`` (:mod:`autoprec.graph.budget`; the warm-up is cut to fewer steps when
+            its back-off's worst case would take more than ``WARM_UP_SHARE`` of it); the other
+            methods ignore it.
         train_steps: fp32 SGD steps before measuring, so gradients look like training's.
         cache: reuse/store the result under ``$AUTOPREC_CACHE_DIR`` (default ~/.cache/autoprec).
-        progress: called once per (layer, precision) measured.
+        progress: see :data:`Progress`; stages: the fp32 warm-up, the sweep (one step per
+            layer and precision measured), the Taylor estimate.
+        on_plan: called once with the :class:`~autoprec.graph.budget.SensitivityPlan` before
+            the measurements start (not on a cache hit).
         initial_state: weights to load into the copy before the ``train_steps`` (e.g. the
             evaluator's fp32 warm start, with ``train_steps=0``, so that the sensitivities
             describe the very model the evaluations fine-tune).
         initial_state_key: a name for ``initial_state`` in the cache key (required with it
             when ``cache`` is on: the fingerprint covers the architecture, not the weights).
+
+    Raises:
+        ValueError: an unknown method, a budget that is not a positive number of seconds, or
+            ``initial_state`` without its key while caching.
     """
-    if method not in METHODS:
-        raise ValueError(
-            f"unknown sensitivity method {method!r}; expected one of {', '.join(METHODS)}"
-        )
+    check_method(method)
+    budgeted = method in ("auto", "focused")
+    if budgeted:
+        check_budget(time_budget_s)
     precisions = tuple(parse_precision(f) for f in formats)
     fingerprint = model_fingerprint(spec.module)
     settings = {
@@ -384,46 +301,139 @@ def sensitivity(
         if cache and not initial_state_key:
             raise ValueError("initial_state needs an initial_state_key when cache=True")
         settings["initial_state"] = initial_state_key
-    key = hashlib.sha256(
-        json.dumps([fingerprint, data.key, settings], sort_keys=True).encode()
-    ).hexdigest()[:24]
-    path = cache_dir() / "sensitivity" / f"{key}.json"
+    sweep_path = _entry(fingerprint, data.key, settings | {"method": "sweep"})
+    if budgeted:
+        settings["time_budget_s"] = float(time_budget_s)
+    path = _entry(fingerprint, data.key, settings)
     if cache:  # a damaged entry is discarded with a note, and recomputed
-        table = read_entry(path, _read_table, "sensitivity cache entry")
-        if table is not None:
-            return table
+        for candidate in (sweep_path, path) if method == "auto" else (path,):
+            table = read_entry(candidate, _read_table, "sensitivity cache entry")
+            if table is not None:
+                return table
 
     start = time.perf_counter()
+    report = progress or (lambda stage, done, total: None)
     torch.manual_seed(seed)
     model = copy.deepcopy(spec.module)
     if initial_state is not None:
         model.load_state_dict(initial_state)
-    _warm_start(model, spec, data, train_steps, lr, batch_size, seed)
-    _measurement_mode(model)
+    steps, warm_up = train_steps, f"fp32 warm-up ({train_steps} steps)"
+    if budgeted and train_steps > 0:
+        step_s = _step_seconds(model, spec, data, batch_size, seed)
+        steps = warm_up_steps(train_steps, step_s, time_budget_s, MAX_BACKOFFS + 1)
+        if steps < train_steps:
+            warm_up = f"fp32 warm-up ({steps} of {train_steps} steps, to fit the budget)"
+    report(warm_up, 0, 1)
+    _warm_start(model, spec, data, steps, lr, batch_size, seed)
+    report(warm_up, 1, 1)
     fixed = data.fixed_batches(batches, batch_size, split="train", seed=seed)
     x = torch.cat([b[0] for b in fixed])
     y = torch.cat([b[1] for b in fixed])
-    names = [n for n, _ in tunable_layers(model)]
-    ref_loss, ref_grad = _loss_and_grad(model, spec, x, y)
-    if method == "sweep":
-        loss_delta, cosine = _sweep(
-            model, spec, x, y, names, precisions, ref_loss, ref_grad, progress
-        )
-    else:
-        loss_delta, cosine = _taylor(model, spec, x, y, names, precisions, ref_loss, progress)
+    measurer = Measurer(model, spec, x, y)
+    lowered = [p for p in precisions if p is not Precision.FP32]
+    costs = Costs(len(measurer.names), len(lowered), measurer.pass_s)
+    left = time_budget_s - (time.perf_counter() - start) if budgeted else None
+    chosen = plan(method, costs, left, time_budget_s if budgeted else None)
+    if on_plan is not None:
+        on_plan(chosen)
+    deadline = start + time_budget_s if budgeted else math.inf
+    rows, measured = _measure(measurer, precisions, chosen, deadline, report)
+    ran = "sweep" if all(measured) else "taylor" if not any(measured) else "focused"
     table = SensitivityTable(
-        method=method,
+        method=ran,
         model=getattr(spec, "name", type(spec.module).__name__),
         fingerprint=fingerprint,
         data_key=data.key,
-        layers=tuple(names),
+        layers=tuple(measurer.names),
         precisions=tuple(p.value for p in precisions),
-        loss_delta=tuple(loss_delta),
-        grad_cosine=tuple(cosine),
-        reference_loss=ref_loss,
+        loss_delta=tuple(r[0] for r in rows),
+        grad_cosine=tuple(r[1] for r in rows),
+        reference_loss=measurer.reference_loss,
         wall_time_s=time.perf_counter() - start,
         settings=settings,
+        measured=tuple(measured) if ran == "focused" else (),
+        note=f"{chosen.describe()}; {warm_up}" if budgeted else "",
     )
     if cache:
-        write_entry(path, lambda fh: json.dump(table.to_dict(), fh), what="sensitivity cache entry")
+        # a full sweep is stored as one (which `auto` looks up first, whatever its budget)
+        target = sweep_path if ran == "sweep" else path
+        write_entry(
+            target, lambda fh: json.dump(table.to_dict(), fh), what="sensitivity cache entry"
+        )
     return table
+
+
+def _measure(
+    measurer: Measurer,
+    precisions: Sequence[Precision],
+    chosen: SensitivityPlan,
+    deadline: float,
+    report: Progress,
+) -> tuple[list[Row], list[bool]]:
+    """The rows of ``chosen`` in execution order, and which of them were swept: the swept
+    layers (:func:`_sweep`) and the rest interpolated between them
+    (:func:`~autoprec.graph.budget.fill`); the Taylor estimate when none was swept."""
+    names = measurer.names
+    swept = (
+        {} if chosen.method == "taylor" else _sweep(measurer, precisions, chosen, deadline, report)
+    )
+    if swept:
+        return fill(swept, names), [i in swept for i in range(len(names))]
+    lowered = sum(p is not Precision.FP32 for p in precisions)
+    stage, done = f"Taylor estimate ({len(names)} layers x {lowered})", 0
+    report(stage, 0, len(names) * lowered)
+    estimate = measurer.taylor()
+
+    def estimated(index: int, name: str, p: Precision) -> tuple[float, float]:
+        nonlocal done
+        result = estimate(index, name, p)
+        done += 1
+        report(stage, done, len(names) * lowered)
+        return result
+
+    rows = [row(n, i, precisions, estimated) for i, n in enumerate(names)]
+    measurer.model.zero_grad(set_to_none=True)
+    return rows, [False] * len(names)
+
+
+def _sweep(
+    measurer: Measurer,
+    precisions: Sequence[Precision],
+    chosen: SensitivityPlan,
+    deadline: float,
+    report: Progress,
+) -> dict[int, Row]:
+    """``{layer index: row}`` of the layers swept, in :func:`~autoprec.graph.budget.priority`
+    order: all of them for ``sweep``; for ``focused`` and ``auto``, while the next layer is
+    expected to end before ``deadline`` (at least ``chosen.measured`` for ``focused``), at the
+    pace measured so far (or as predicted)."""
+    names = measurer.names
+    lowered = sum(p is not Precision.FP32 for p in precisions)
+    stage = "sweep" if chosen.method == "sweep" else "focused sweep"
+    stage += f" ({chosen.measured} layers x {lowered})"
+    total, done = chosen.measured * lowered, 0
+    report(stage, 0, total)
+
+    def graded(index: int, name: str, p: Precision) -> tuple[float, float]:
+        nonlocal done, total
+        result = measurer.sweep(index, name, p)
+        done += 1
+        total = max(total, done)
+        report(stage, done, total)
+        return result
+
+    swept: dict[int, Row] = {}
+    took: list[float] = []  # seconds per swept layer
+    for i in priority(names, measurer.params):
+        must = chosen.requested == "sweep" or (
+            chosen.requested == "focused" and len(swept) < chosen.measured
+        )
+        # the pace so far, leaving out the first layer (the rounding kernels' first calls
+        # compile them); the prediction until there is one
+        pace = sum(took[1:]) / (len(took) - 1) if len(took) > 1 else chosen.costs.layer_s
+        if not must and time.perf_counter() + pace > deadline:
+            break
+        begin = time.perf_counter()
+        swept[i] = row(names[i], i, precisions, graded)
+        took.append(time.perf_counter() - begin)
+    return swept

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from autoprec.graph import grade, sensitivity
+from autoprec.graph import grade, measure, sensitivity
 
 
 class Spec:
@@ -75,7 +75,7 @@ def test_results_are_cached_on_disk(tmp_path, monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("recomputed instead of reading the cache")
 
-    monkeypatch.setattr(grade, "_loss_and_grad", fail)
+    monkeypatch.setattr(measure, "loss_and_grad", fail)
     again = sensitivity(make_spec(), Data(), method="taylor", train_steps=5)
     assert again == first
     with pytest.raises(AssertionError, match="recomputed"):  # other settings: a new entry
@@ -115,3 +115,64 @@ def test_entry_is_the_typed_accessor_of_one_layer_at_one_precision():
     with pytest.raises(KeyError, match="'c' at bf16"):
         table.distance("c", "bf16")
     assert SensitivityTable.from_dict(table.to_dict()) == table
+
+
+def make_deep_spec() -> Spec:
+    torch.manual_seed(0)
+    layers = [nn.Flatten(), nn.Linear(64, 32)]
+    for _ in range(3):
+        layers += [nn.ReLU(), nn.Linear(32, 32)]
+    return Spec(nn.Sequential(*layers, nn.ReLU(), nn.Linear(32, 10)))  # 5 tunable layers
+
+
+def test_auto_with_room_for_the_sweep_is_the_sweep():
+    """The default results of a small model do not change: auto sweeps when the sweep fits."""
+    plans = []
+    args = (make_spec(), Data(), ["fp32", "bf16", "fp8"])
+    auto = sensitivity(*args, method="auto", time_budget_s=1e6, on_plan=plans.append, cache=False)
+    sweep = sensitivity(*args, method="sweep", cache=False)
+    assert auto.method == "sweep" and auto.grad_cosine == sweep.grad_cosine
+    assert auto.loss_delta == sweep.loss_delta and all(map(auto.is_measured, auto.layers))
+    assert [p.method for p in plans] == ["sweep"] and "budget" in auto.note
+
+
+def test_a_tiny_budget_takes_the_estimate():
+    stages = []
+    table = sensitivity(
+        make_spec(), Data(), method="auto", time_budget_s=1e-6, cache=False,
+        progress=lambda stage, done, total: stages.append((stage.split(" (")[0], done, total)),
+    )  # fmt: skip
+    taylor = sensitivity(make_spec(), Data(), method="taylor", cache=False, train_steps=1)
+    assert table.method == "taylor" and table.grad_cosine == taylor.grad_cosine
+    assert "warm-up (1 of 30 steps, to fit the budget)" in table.note  # the warm-up is cut too
+    assert not any(map(table.is_measured, table.layers)) and table.measured == ()
+    assert stages[0][0] == "fp32 warm-up" and stages[-1] == ("Taylor estimate", 8, 8)
+
+
+def test_focused_sweeps_some_layers_and_interpolates_the_others():
+    spec, data = make_deep_spec(), Data()
+    formats = ["fp32", "bf16", "fp8"]
+    focused = sensitivity(spec, data, formats, method="focused", time_budget_s=1e-6, cache=False)
+    sweep = sensitivity(spec, data, formats, method="sweep", cache=False, train_steps=1)
+    assert focused.method == "focused" and focused.measured == (True, False, False, False, True)
+    assert [focused.is_measured(n) for n in focused.layers] == list(focused.measured)
+    for i in (0, 4):  # the swept rows are the sweep's
+        assert focused.grad_cosine[i] == sweep.grad_cosine[i]
+    d = np.array(focused.matrix())
+    for j in (1, 2):  # the others lie between them, geometrically
+        assert np.allclose(np.log(d[:, j]), np.linspace(np.log(d[0, j]), np.log(d[4, j]), 5))
+    assert "focused sweep of 2 of 5 layers" in focused.note
+    assert grade.SensitivityTable.from_dict(focused.to_dict()) == focused
+
+
+def test_auto_reads_a_cached_sweep(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOPREC_CACHE_DIR", str(tmp_path))
+    sweep = sensitivity(make_spec(), Data(), method="sweep", train_steps=5)
+    monkeypatch.setattr(measure, "loss_and_grad", lambda *a: pytest.fail("recomputed"))
+    assert sensitivity(make_spec(), Data(), method="auto", train_steps=5) == sweep
+
+
+@pytest.mark.parametrize("budget", [0, -1.0, float("nan")])
+def test_a_budget_must_be_positive(budget):
+    with pytest.raises(ValueError, match="positive number of seconds"):
+        sensitivity(make_spec(), Data(), method="auto", time_budget_s=budget)

@@ -51,9 +51,40 @@ def test_cli_writes_json_and_heatmap(tmp_path, monkeypatch, capsys):
             ["analyze", "--model", "tinycnn", "--dataset", "cifar10", "--data-dir", "/nope"],
             "--data-dir",
         ),
+        (["analyze", "--model", "tinycnn", "--time-budget", "abc"], "--time-budget 'abc'"),
+        (["analyze", "--model", "tinycnn", "--time-budget", "-5"], "positive number of seconds"),
+        (["analyze", "--model", "tinycnn", "--time-budget", "nan"], "positive number of seconds"),
+        (["analyze", "--model", "tinycnn", "--time-budget", "0"], "positive number of seconds"),
+        (["analyze", "--model", "tinycnn", "--time-budget", "9" * 400], "(400 characters)"),
     ],
 )
 def test_cli_bad_input_is_one_line_exit_2(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_cli_focused_marks_the_interpolated_entries(tmp_path, monkeypatch, capsys):
+    """A budget too small for the sweep: two layers swept, the other two interpolated, and the
+    table says which (``~``), as the JSON does (``measured``)."""
+    monkeypatch.setenv("AUTOPREC_CACHE_DIR", str(tmp_path))
+    out = tmp_path / "a.json"
+    argv = ["analyze", "--model", "tinycnn", "--image-size", "8", "--json", str(out)]
+    assert main([*argv, "--method", "focused", "--time-budget", "0.001", "--batches", "1"]) == 0
+    captured = capsys.readouterr()
+    sens = json.loads(out.read_text())["sensitivity"]
+    # one layer of each role (conv#, fc#), the larger role first: fc1, then conv1
+    assert sens["method"] == "focused" and sens["measured"] == [True, False, True, False]
+    rows = {
+        n: next(ln for ln in captured.out.splitlines() if f" {n} " in ln)
+        for n in ("conv1", "conv2")
+    }
+    assert "~" not in rows["conv1"] and "~" in rows["conv2"]
+    assert "focused (2 of 4 layers swept" in captured.out
+    assert "focused sweep of 2 of 4 layers" in captured.err  # the plan, in one line
+
+
+def test_cli_unknown_method_lists_the_methods(capsys):
+    assert main(["analyze", "--model", "tinycnn", "--method", "exact"]) == 2
+    err = capsys.readouterr().err  # click's usage error, as for every choice option
+    assert "'auto', 'sweep', 'focused', 'taylor'" in err and "Traceback" not in err

@@ -4,7 +4,6 @@ where there is no terminal, and the README's example."""
 
 from __future__ import annotations
 
-import importlib
 import re
 import sys
 import textwrap
@@ -12,14 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from autoprec.cli import main
+from autoprec.cli import main, sensitivity_progress
 from autoprec.data import DatasetError, default_dataset, load_dataset, load_dataset_for
 from autoprec.data.registry import TASK_DATASETS
 from autoprec.defaults import DEFAULT_DATASET
 from autoprec.models import ModelError, Task, load_model, model_task
 
 README = Path(__file__).resolve().parents[2] / "README.md"
-analyze_cli = importlib.import_module("autoprec.cli.analyze")  # the module, not the command
 
 FACTORIES = """
     import functools
@@ -217,25 +215,31 @@ def test_analyze_image_models_default_to_32(capsys):
 
 def test_analyze_prints_progress_lines_without_a_terminal(monkeypatch, capsys, tmp_path):
     monkeypatch.setenv("AUTOPREC_CACHE_DIR", str(tmp_path))  # not cached: really measured
-    monkeypatch.setattr(analyze_cli, "PROGRESS_EVERY_S", 0.0)
+    monkeypatch.setattr(sensitivity_progress, "PROGRESS_EVERY_S", 0.0)
     args = ["analyze", "--model", "mlp", "--image-size", "8", "--dataset", "synthetic"]
     assert (
         main([*args, "--batches", "1", "--precisions", "fp32,bf16,fp16", "--method", "taylor"]) == 0
     )
     captured = capsys.readouterr()
-    head = "sensitivity (taylor on synthetic, 3 layers x 2)"
+    head = "sensitivity on synthetic: Taylor estimate (3 layers x 2)"
     progress = [ln for ln in captured.err.splitlines() if ln.startswith(head)]
     counts = [re.search(r": (\d+)/6", ln).group(1) for ln in progress]
     assert counts == [str(i) for i in range(7)]  # 0/6 at the start, then every measurement
+    assert "sensitivity on synthetic: Taylor estimate (one pass" in captured.err  # the plan
     assert head not in captured.out  # the table's stdout stays clean
 
 
 def test_progress_lines_are_throttled(monkeypatch, capsys):
-    monkeypatch.setattr(analyze_cli, "PROGRESS_EVERY_S", 3600.0)
-    with analyze_cli._progress("work", 5) as advance:
-        for _ in range(5):
-            advance()
-    assert capsys.readouterr().err.splitlines() == ["work: 0/5", "work: 5/5 (0 s)"]
+    from rich.console import Console
+
+    monkeypatch.setattr(sensitivity_progress, "PROGRESS_EVERY_S", 3600.0)
+    with sensitivity_progress.sensitivity_progress(Console(stderr=True), "work") as (advance, _):
+        for done in range(6):
+            advance("stage", done, 5)
+    assert capsys.readouterr().err.splitlines() == [
+        "work: stage: 0/5 (0 s)",
+        "work: stage: 5/5 (0 s)",
+    ]
 
 
 # --- the README's section ---------------------------------------------------------------------

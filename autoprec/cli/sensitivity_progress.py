@@ -1,0 +1,75 @@
+"""Progress of a sensitivity table on the command line (``analyze`` and ``search``).
+
+:func:`sensitivity_progress` gives the two callbacks :func:`autoprec.graph.sensitivity` takes:
+``on_plan`` prints the method chosen and why in one line, ``progress`` draws each stage (the
+fp32 warm-up, the sweep, the Taylor estimate). Where stderr is a terminal that is rich's
+transient bar; elsewhere (a log, CI) a plain line at each stage's start and then at most every
+:data:`PROGRESS_EVERY_S` seconds, since rich draws nothing where it is not a terminal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+#: Without a terminal, a progress line on stderr at most this often (seconds).
+PROGRESS_EVERY_S = 5.0
+
+
+class _Lines:
+    """Plain progress lines on a console that is not a terminal."""
+
+    def __init__(self, console: Any) -> None:
+        self.console = console
+        self.stage = ""
+        self.start = self.last = time.perf_counter()
+
+    def __call__(self, stage: str, done: int, total: int) -> None:
+        now = time.perf_counter()
+        if stage != self.stage:
+            self.stage, self.last = stage, now
+            self._print(stage, done, total, now)
+        elif now - self.last >= PROGRESS_EVERY_S or done == total:
+            self.last = now
+            self._print(stage, done, total, now)
+
+    def _print(self, stage: str, done: int, total: int, now: float) -> None:
+        line = f"{stage}: {done}/{total} ({now - self.start:.0f} s)"
+        self.console.print(line, highlight=False, soft_wrap=True)
+
+
+@contextlib.contextmanager
+def sensitivity_progress(
+    console: Any, what: str
+) -> Iterator[tuple[Callable[[str, int, int], None], Callable[[Any], None]]]:
+    """``(progress, on_plan)`` for one sensitivity table, drawn on ``console`` (stderr).
+
+    Args:
+        console: a rich console (on stderr: stdout stays free for the results).
+        what: the first words of every line, e.g. ``"sensitivity on teacher"``.
+    """
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    def on_plan(plan: Any) -> None:
+        console.print(f"{what}: {plan.describe()}", highlight=False, soft_wrap=True)
+
+    if not console.is_terminal:
+        lines = _Lines(console)
+        yield (lambda stage, done, total: lines(f"{what}: {stage}", done, total)), on_plan
+        return
+    columns = ("{task.description}", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task(what, total=None)
+
+        def progress(stage: str, done: int, total: int) -> None:
+            bar.update(task, description=f"{what}: {stage}", completed=done, total=total)
+
+        yield progress, on_plan
+
+
+def build_surrogate(evaluator: Any, console: Any) -> Any:
+    """``evaluator.surrogate()``, drawing its sensitivity table's progress on ``console``."""
+    with sensitivity_progress(console, "sensitivity") as (progress, on_plan):
+        return evaluator.surrogate(progress=progress, on_plan=on_plan)
