@@ -122,9 +122,7 @@ def test_a_residual_merge_of_two_dtypes_casts_the_gradient_back():
 
 
 @pytest.mark.parametrize("around", ["fp32", "bf16"])
-def test_an_mxfp8_layer_casts_each_operand_of_each_gemm_with_its_block_scales(
-    monkeypatch, around
-):
+def test_an_mxfp8_layer_casts_each_operand_of_each_gemm_with_its_block_scales(monkeypatch, around):
     """torchao's MXFP8Linear (its emulated kernel on this CPU): six e4m3 casts with their E8M0
     scales (uint8 in the recording), as the program has them; in a bf16 region the layer reads
     bf16 and to_mx upcasts each operand and its block amaxes to fp32 first. What the layer adds
