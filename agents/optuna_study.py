@@ -16,9 +16,9 @@ import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from autoprec._sqlite import sqlite_file, sqlite_lock
 from autoprec._text import excerpt
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -106,21 +106,6 @@ def check_storage(url: str) -> None:
         )
 
 
-def sqlite_file(url: Any) -> Path | None:
-    """The database file of a SQLite storage URL; None for any other storage (or in memory)."""
-    if not isinstance(url, str) or not url.startswith("sqlite:"):
-        return None
-    from sqlalchemy.engine import make_url
-
-    try:
-        database = make_url(url).database
-    except Exception:  # noqa: BLE001 - a malformed URL: the agent reports it
-        return None
-    if not database or database == ":memory:":
-        return None
-    return Path(database)
-
-
 @contextmanager
 def ask_lock(url: Any) -> Iterator[None]:
     """Hold, on a SQLite storage, an exclusive lock shared by the processes of this host for
@@ -129,26 +114,10 @@ def ask_lock(url: Any) -> Iterator[None]:
     Optuna pops an enqueued (WAITING) trial by reading its state, then setting it RUNNING
     ``FOR UPDATE``, a row lock SQLite does not have: two workers asking together both get the
     same trial, both evaluate it, and the second's ``tell`` finds it finished. PostgreSQL and
-    MySQL lock the row; other storages get no lock. The lock is a ``flock`` on the file
-    ``<database>.ask-lock`` beside the database (released if the process dies).
+    MySQL lock the row; other storages get no lock (:func:`autoprec._sqlite.sqlite_lock`).
     """
-    path = sqlite_file(url)
-    if path is None:
+    with sqlite_lock(url, "optuna-ask"):
         yield
-        return
-    import fcntl
-
-    try:
-        fh = open(f"{path}.ask-lock", "a+b")  # noqa: SIM115 - closed below
-    except OSError:  # a read-only folder: SQLite cannot write the study there either
-        yield
-        return
-    with fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def open_storage(storage: Any, retry: Callable[..., Any]) -> Any:

@@ -24,13 +24,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from autoprec._sqlite import sqlite_file
 from autoprec.tracking.client import (
     CALL_LIMITS,
     CONNECT_LIMITS,
     mlflow_limits,
     one_line,
     resolve_tracking_uri,
-    sqlite_file,
 )
 
 __all__ = [

@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+from autoprec._sqlite import sqlite_file, sqlite_lock
 from autoprec.tracking.client import (
     CALL_LIMITS,
     CONNECT_LIMITS,
@@ -24,8 +25,6 @@ from autoprec.tracking.client import (
     mlflow_limits,
     one_line,
     resolve_tracking_uri,
-    sqlite_file,
-    sqlite_lock,
 )
 from autoprec.tracking.search import SearchTracker, lowered_layers, policy_digest
 from autoprec.tracking.training import TrainTracker

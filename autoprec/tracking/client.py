@@ -17,17 +17,16 @@ MLflow is imported only when a store is opened.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import re
 import sys
-import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from contextvars import ContextVar
-from pathlib import Path
 from types import MappingProxyType
 from typing import Any
+
+from autoprec._sqlite import sqlite_lock
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 STATUSES = ("FINISHED", "KILLED", "FAILED")
@@ -63,14 +62,6 @@ _SCOPED: ContextVar[Mapping[str, Any]] = ContextVar(
 def resolve_tracking_uri(tracking_uri: str | None = None) -> str:
     """``tracking_uri``, else ``$MLFLOW_TRACKING_URI``, else :data:`DEFAULT_TRACKING_URI`."""
     return tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
-
-
-def sqlite_file(uri: str) -> Path | None:
-    """The database file of a ``sqlite:///`` URI; None for other stores and in-memory ones."""
-    if not uri.startswith("sqlite:///"):
-        return None
-    name = uri[len("sqlite:///") :].split("?")[0]
-    return None if name in ("", ":memory:") else Path(name)
 
 
 def one_line(err: BaseException) -> str:
@@ -122,31 +113,6 @@ def _scoped_get(name: str, read: Any) -> Any:
         return scoped[name] if name in scoped and name not in os.environ else read()
 
     return get
-
-
-@contextlib.contextmanager
-def sqlite_lock(uri: str) -> Iterator[None]:
-    """An exclusive lock per SQLite database file (no-op for other URIs or without fcntl)."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - Windows
-        fcntl = None  # type: ignore[assignment]
-    database = sqlite_file(uri)
-    if fcntl is None or database is None:
-        yield
-        return
-    key = hashlib.sha256(str(database.resolve()).encode()).hexdigest()[:16]
-    try:
-        handle = open(Path(tempfile.gettempdir()) / f"autoprec-mlflow-{key}.lock", "a")
-    except OSError:
-        yield
-        return
-    with handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def experiment_id(client: Any, name: str) -> str:
@@ -202,7 +168,7 @@ class GuardedClient:
         """
         from mlflow import MlflowClient
 
-        with sqlite_lock(self.tracking_uri):
+        with sqlite_lock(self.tracking_uri, "mlflow"):
             client = MlflowClient(tracking_uri=self.tracking_uri)
             client.get_experiment_by_name(experiment)
         self.mlflow = client
