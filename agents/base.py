@@ -146,6 +146,13 @@ class Problem:
             policy = self.to_policy(policy)
         return self.evaluator.evaluate(policy, fidelity or self.fidelity)
 
+    def prefetch(self, policies: Sequence[Mapping[str, str]]) -> None:
+        """Start real evaluations of these completed policies at :attr:`fidelity` in the
+        evaluator's worker processes, if it has any (:meth:`Evaluator.prefetch`)."""
+        prefetch = getattr(self.evaluator, "prefetch", None)  # test doubles have none
+        if prefetch is not None and policies:
+            prefetch([self.to_policy(p) for p in policies], self.fidelity)
+
     def complete(self, policy: Mapping[str, Any]) -> dict[str, str]:
         """``policy`` as ``{layer: precision}`` over every tunable layer, in execution order.
 
@@ -285,6 +292,18 @@ class Session:
         if notify:
             self.notify(trial)
         return trial
+
+    def prefetch(self, policies: Iterable[Mapping[str, Any]]) -> None:
+        """Let the evaluator's workers start on the policies the agent will :meth:`evaluate`
+        next, in that order (those this search has not tried, as many as the budget has
+        left); a later :meth:`evaluate` of one of them waits for its run."""
+        todo: dict[tuple[str, ...], dict[str, str]] = {}
+        for policy in policies:
+            full = self.problem.complete(policy)
+            key = self.key(full)
+            if key not in self._seen and len(todo) < self.remaining:
+                todo.setdefault(key, full)
+        self.problem.prefetch(list(todo.values()))
 
     def record_surrogate(
         self, policy: Mapping[str, Any], metrics: Metrics, wall_time_s: float = 0.0, **attrs: Any

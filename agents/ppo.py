@@ -34,9 +34,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from autoprec.agents.base import SURROGATE, Agent, Problem, Session, StopSearch
+from autoprec.agents.base import SURROGATE, Agent, Problem, Session
 from autoprec.agents.naming import file_safe
 from autoprec.agents.polish import polished
+from autoprec.agents.ppo_sb3 import (
+    Pool,
+    add_to_pool,
+    callback_class,
+    logger_without_folder,
+    rollout_sizes,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from autoprec.envs.precision_env import PrecisionEnv
@@ -45,48 +52,6 @@ CHECKPOINT_NAME = "ppo_model.zip"
 STATE_NAME = "ppo_state.json"
 STATE_FORMAT = 1
 MAX_TIMESTEPS = 200_000
-MIN_ROLLOUT = 64
-
-# The pool of proposals: {policy key: (best surrogate reward, policy)}, in first-seen order.
-Pool = dict[tuple[str, ...], tuple[float, dict[str, str]]]
-
-
-def rollout_sizes(
-    n_layers: int,
-    n_envs: int = 1,
-    n_steps: int | None = None,
-    batch_size: int | None = None,
-    normalize_advantage: bool = True,
-) -> tuple[int, int]:
-    """``(n_steps, batch_size)`` for MaskablePPO on a model of ``n_layers`` tunable layers.
-
-    The default rollout holds whole episodes: ``n_steps`` is the smallest multiple of the
-    layer count of at least 64 steps that makes the rollout (``n_steps x n_envs``) even, and
-    the minibatch is half the rollout. A given ``n_steps`` gets the largest divisor of the
-    rollout up to half of it (the whole rollout when it is prime). Every minibatch is then
-    full: a last minibatch of one sample has no standard deviation, and SB3's advantage
-    normalisation turns it into NaN (the policy's probabilities with it).
-
-    Raises:
-        ValueError: ``n_steps`` below 1, or (with ``normalize_advantage``) a rollout of one
-            step or a ``batch_size`` that leaves a minibatch of one sample.
-    """
-    if n_steps is None:
-        n_steps = n_layers * math.ceil(MIN_ROLLOUT / n_layers)
-        if n_steps * n_envs % 2:
-            n_steps += n_layers  # n_layers is odd here: the rollout becomes even
-    elif not isinstance(n_steps, int) or n_steps < 1:
-        raise ValueError(f"n_steps must be an integer >= 1 or None, got {n_steps!r}")
-    rollout = n_steps * n_envs
-    if batch_size is None:
-        batch_size = next((d for d in range(rollout // 2, 1, -1) if rollout % d == 0), rollout)
-    if normalize_advantage and (batch_size < 2 or rollout % batch_size == 1):
-        raise ValueError(
-            f"batch_size {batch_size} leaves a minibatch of one sample in a rollout of "
-            f"n_steps x n_envs = {rollout} steps, whose normalised advantage is NaN; choose a "
-            "batch_size that divides the rollout (or leave it to the agent)"
-        )
-    return n_steps, batch_size
 
 
 def surrogate_env(problem: Problem) -> PrecisionEnv:
@@ -104,44 +69,6 @@ def surrogate_env(problem: Problem) -> PrecisionEnv:
         problem.precisions,
         {layer: problem.choices(layer) for layer in table.names},
     )
-
-
-def _callback_class() -> type:
-    from stable_baselines3.common.callbacks import BaseCallback
-
-    from autoprec.evaluate.metrics import Metrics
-
-    class Collector(BaseCallback):
-        """Records every finished episode as a surrogate trial; stops on StopSearch."""
-
-        def __init__(self, session: Session, pool: Pool) -> None:
-            super().__init__()
-            self.session = session
-            self.pool = pool
-            self.stop: StopSearch | None = None
-
-        def _on_step(self) -> bool:
-            for info in self.locals.get("infos", ()):
-                if "policy" not in info or "metrics" not in info:
-                    continue
-                metrics = Metrics.from_dict(info["metrics"])
-                try:
-                    trial = self.session.record_surrogate(
-                        info["policy"], metrics, metrics.wall_time_s, phase="train"
-                    )
-                except StopSearch as exc:
-                    self.stop = exc
-                    return False
-                _add(self.pool, self.session, trial)
-            return True
-
-    return Collector
-
-
-def _add(pool: Pool, session: Session, trial: Any) -> None:
-    key = session.key(trial.policy)
-    if key not in pool or trial.reward > pool[key][0]:
-        pool[key] = (trial.reward, trial.policy)
 
 
 class PPOAgent(Agent):
@@ -234,7 +161,7 @@ class PPOAgent(Agent):
         sampler_env = surrogate_env(problem)
         venv = self._make_venv(session)
         pool: Pool = {}
-        collector = _callback_class()(session, pool)
+        collector = callback_class()(session, pool)
         problem.evaluator.reference(SURROGATE)  # the surrogate's scale, before any seeding
         try:
             model, start = self._restore(venv, session, settings, pool)
@@ -243,6 +170,7 @@ class PPOAgent(Agent):
 
                 model = MaskablePPO("MlpPolicy", venv, **kwargs)
                 self._save(model, session, settings, pool, 0)
+            logger_without_folder(model)
             for r in range(start, self.rounds):
                 target = total * (r + 1) // self.rounds
                 if model.num_timesteps < target:
@@ -256,7 +184,7 @@ class PPOAgent(Agent):
                 model.set_random_seed(_phase_seed(session.seed, r, "propose"))
                 self._propose(model, sampler_env, session, proposals, r, pool)
                 for policy, m in polished(session, list(pool.values())):
-                    _add(pool, session, session.record_surrogate(policy, m, phase="polish"))
+                    add_to_pool(pool, session, session.record_surrogate(policy, m, phase="polish"))
                 share = math.ceil(session.remaining / (self.rounds - r))
                 self._spend(session, pool, share, r)
         finally:
@@ -412,7 +340,7 @@ class PPOAgent(Agent):
                 round=round_,
                 deterministic=i == n,
             )
-            _add(pool, session, trial)
+            add_to_pool(pool, session, trial)
 
     @staticmethod
     def _spend(session: Session, pool: Pool, k: int, round_: int) -> None:
@@ -425,6 +353,7 @@ class PPOAgent(Agent):
         shortlist = sorted(best, key=lambda item: -item[0])[: max(8 * k, 64)]
         predicted = [problem.reward(problem.evaluate(p, SURROGATE)) for _, p in shortlist]
         order = sorted(range(len(shortlist)), key=lambda i: (-predicted[i], i))
+        session.prefetch(shortlist[i][1] for i in order[:k])  # side by side, where it can
         for i in order[:k]:
             if session.exhausted:
                 return

@@ -182,3 +182,16 @@ def test_search_reports_the_best_hand_written_fp8_rule(tmp_path, capsys):
     # at these tiny shapes fp8's casts cost more than its GEMMs save: the rule is slower than
     # fp32, and a search with any sense beats it
     assert "better than the best of" in text and "not better than" not in text
+
+
+def test_workers_evaluate_side_by_side_and_the_search_ends_as_usual(tmp_path, capsys):
+    out = tmp_path / "best.yaml"
+    args = ["search", *FAST, "--budget", "3", "--workers", "2", "--out", str(out), "--no-mlflow"]
+    rc = main(args)
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    assert "evaluating 2 policies at a time" in " ".join(err.split())
+    assert "Traceback" not in err
+    policy = load_policy(out)
+    validate(policy, load_model("tinycnn", num_classes=10).module)
+    assert policy.provenance["agent"] == "ppo"

@@ -33,6 +33,12 @@ from autoprec.cli._setup import (
 )
 from autoprec.cli.interrupt import terminate_as_interrupt
 from autoprec.cli.search_config import SearchSetupError, merge_config
+from autoprec.cli.search_evaluations import (
+    comparisons,
+    prefetch_comparisons,
+    start_workers,
+    workers_option,
+)
 from autoprec.cli.search_export import Exporter, SearchExportError
 from autoprec.cli.search_progress import Progress, console
 from autoprec.cli.sensitivity_progress import build_surrogate
@@ -90,6 +96,7 @@ __all__ = ["AGENT_NAMES", "DEFAULT_STORAGE", "SearchExportError", "SearchSetupEr
     "(the exported file says it is not for native training).",
 )
 @evaluator_options
+@workers_option
 @click.option(
     "--out",
     type=click.Path(dir_okay=False),
@@ -160,6 +167,7 @@ class _SearchRun:
         self.console = console()
         self.tracker: Any = None  # the SearchTracker once the search starts
         self.problem: Any = None
+        self.evaluator: Any = None
         self.exporter: Exporter | None = None
         self.rules: list[tuple[str, Any, float]] = []  # the hand rules' metrics and rewards
 
@@ -171,6 +179,9 @@ class _SearchRun:
             if self.tracker is not None:  # still open only when something went wrong
                 self.tracker.close("KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED")
             raise
+        finally:
+            if self.evaluator is not None:
+                self.evaluator.stop_workers()
 
     def _main(self) -> int:
         start = time.perf_counter()
@@ -189,8 +200,7 @@ class _SearchRun:
                     if self.tracker is not None:
                         self.tracker.close("KILLED")
                 return 130
-        amp = self._amp_metrics(problem)
-        self.rules = self._hand_rule_metrics(problem)
+        amp, self.rules = comparisons(problem, self.phases, self._phase)
         written = self._export(result, amp, interrupted=False)
         self._finish_tracking(result, written, amp, status="FINISHED")
         if self.o["verify"] and written is not None:
@@ -262,9 +272,12 @@ class _SearchRun:
         )
         with self._phase("warm start and fp32 reference"):
             evaluator.reference()
+        self.evaluator = evaluator  # its workers are stopped when the command ends
+        start_workers(evaluator, o["workers"], self.console.print)
         with self._phase("sensitivity", draws_progress=True):
             build_surrogate(evaluator, self.console)
         problem = Problem(evaluator, fidelity=o["fidelity"], reward=reward, precisions=precisions)
+        prefetch_comparisons(problem)
         self.device = device
         self.problem = problem
         out, pareto = Path(o["out"]), o["pareto_dir"]
@@ -368,31 +381,6 @@ class _SearchRun:
             result, best_policy_path=policy_path, amp_metrics=amp, fp32_metrics=fp32, status=status
         )
         self.phases["tracking"] = self.phases.get("tracking", 0.0) + time.perf_counter() - begin
-
-    def _hand_rule_metrics(self, problem: Any) -> list[tuple[str, Any, float]]:
-        """``(name, metrics, reward)`` of each hand-written fp8 rule that applies
-        (:mod:`autoprec.agents.hand_rules`; cached if the agent tried it), for the comparison
-        printed beside the searched policy."""
-        from autoprec.agents.hand_rules import hand_rule_policies
-
-        rules = hand_rule_policies(problem)
-        if not rules:
-            return []
-        out = []
-        with self._phase("hand rules"):
-            for name, policy in rules:
-                metrics = problem.evaluate(policy)
-                out.append((name, metrics, problem.reward(metrics)))
-        return out
-
-    def _amp_metrics(self, problem: Any) -> Any:
-        """Real metrics of the target's blanket AMP policy (cached if the agent tried it)."""
-        from autoprec.hardware.defaults import amp_policy
-
-        begin = time.perf_counter()
-        metrics = problem.evaluate(amp_policy(self.device))
-        self.phases["AMP comparison"] = time.perf_counter() - begin
-        return metrics
 
     def _verify(self, policy_path: Path) -> None:
         """``autoprec verify`` of the exported policy with the small defaults of ``--verify``,

@@ -79,6 +79,10 @@ class EvaluationCache:
         scaling = None if ls is None else dataclasses.asdict(ls)
         return digest([self.settings_key, fidelity, resolved, scaling])
 
+    def holds(self, key: str) -> bool:
+        """Whether the evaluation ``key`` is kept (in memory or in the store)."""
+        return key in self._memo or self.store.get(key) is not None
+
     def get(
         self, policy: PrecisionPolicy, fidelity: str, compute: Callable[[], Metrics]
     ) -> Metrics:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -159,6 +159,7 @@ class Evaluator:
         self._cache = EvaluationCache(self.cache_dir / "evaluations.sqlite", identity, spec.module)
         self._amp_runs: dict[str, FineTuneRun] = {}
         self._surrogate: Surrogate | None = None
+        self._pool: Any = None  # an EvaluationPool while start_workers' workers run
         self.surrogate_pairs: dict[str, tuple[dict[str, Precision], float]] = {}
         self.runs = 0
 
@@ -220,6 +221,53 @@ class Evaluator:
         )
         self._record(policy, fid, metrics)
         return metrics
+
+    def start_workers(self, workers: int) -> str | None:
+        """Run the policies given to :meth:`prefetch` in ``workers`` processes, each on
+        ``torch.get_num_threads() // workers`` threads (:mod:`autoprec.evaluate.pool`); loads
+        or trains the warm start first. Until :meth:`stop_workers`, a real evaluation of a
+        prefetched policy takes its run from there.
+
+        Returns:
+            None when the workers start, else why not (one line): fewer than 2 asked, or runs
+            measured on this machine's GPU (timed runs must not share it).
+        """
+        if workers < 2:
+            return f"{workers} worker(s) asked: evaluating in this process"
+        if self.measured:
+            return "runs are timed on this machine's GPU: evaluating one at a time"
+        from autoprec.evaluate.pool import EvaluationPool
+
+        self.stop_workers()
+        self._pool = EvaluationPool(self._warm, self._tuner, self.mode, workers)
+        return None
+
+    @property
+    def worker_threads(self) -> int:
+        """Threads of each worker process (0 without workers)."""
+        return 0 if self._pool is None else self._pool.threads
+
+    def stop_workers(self) -> None:
+        """Stop the worker processes now (runs not taken yet are dropped)."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+    def prefetch(self, policies: Iterable[Any], fidelity: str | None = None) -> int:
+        """Start real evaluations of ``policies`` in the worker processes (nothing without
+        :meth:`start_workers`, at the surrogate fidelity, or for a policy already cached or
+        started); :meth:`evaluate` then waits for them. Returns how many were started."""
+        fid = check_fidelity(fidelity or self.fidelity)
+        if self._pool is None or not self._pool.open or fid == "surrogate":
+            return 0
+        started = 0
+        for item in policies:
+            policy = PrecisionPolicy.coerce(item)
+            key = self._cache.key(policy, fid)
+            if self._cache.holds(key) or self._pool.pending(key):
+                continue
+            started += self._pool.submit(key, policy, fid)
+        return started
 
     def reference(self, fidelity: str | None = None) -> Metrics:
         """Metrics of the uniform fp32 policy (computed once, cached).
@@ -300,6 +348,11 @@ class Evaluator:
     def _run(self, policy: PrecisionPolicy, fidelity: str) -> FineTuneRun:
         """A fine-tuning run of ``policy`` from the warm start; a policy the target cannot run
         natively is emulated (it is scored for its accuracy only: it is infeasible)."""
+        if self._pool is not None:
+            pooled = self._pool.take(self._cache.key(policy, fidelity))
+            if pooled is not None:
+                self.runs += 1
+                return pooled
         start = time.perf_counter()
         state = self._warm.state()
         mode = self.mode

@@ -1,0 +1,87 @@
+"""The real evaluations of ``autoprec search`` beside the agent's: where they run, and the
+comparisons every search prints (the target's AMP, the hand-written fp8 rules).
+
+On a CPU the evaluations run side by side in worker processes (``--workers``;
+:mod:`autoprec.evaluate.pool`): the agent's rounds hand their proposals to the workers at once,
+and AMP and the hand rules start as the search does, so that their results are there when the
+search ends.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+AUTO_WORKERS = 2  # worker processes by default, on a machine of at least that many cores
+MIN_REFERENCE_S = 5.0  # by default, workers only for models whose fp32 reference takes this long
+
+workers_option = click.option(
+    "--workers",
+    type=click.IntRange(min=0),
+    default=None,
+    help=f"Processes that run real evaluations side by side on a CPU, each on an equal share "
+    f"of the threads (default: {AUTO_WORKERS} on a machine of {AUTO_WORKERS} or more cores, "
+    f"for a model whose fp32 reference run took at least {MIN_REFERENCE_S:g} s; 0 or 1: one "
+    "at a time in this process). Runs timed on this machine's GPU go one at a time.",
+)
+
+
+def chosen_workers(asked: int | None, reference_wall_s: float) -> int:
+    """``--workers`` as asked, else the default for a model whose fp32 reference run took
+    ``reference_wall_s`` seconds (see :data:`workers_option`)."""
+    if asked is not None:
+        return asked
+    if (os.cpu_count() or 1) < AUTO_WORKERS or reference_wall_s < MIN_REFERENCE_S:
+        return 0
+    return AUTO_WORKERS
+
+
+def start_workers(evaluator: Any, asked: int | None, echo: Callable[[str], None]) -> None:
+    """Start the evaluator's worker processes as ``--workers`` says, saying so in one line."""
+    workers = chosen_workers(asked, evaluator.reference().wall_time_s)
+    if workers < 2:
+        return
+    why_not = evaluator.start_workers(workers)
+    if why_not is None:
+        threads = evaluator.worker_threads
+        echo(f"evaluating {workers} policies at a time, {threads} thread(s) each")
+    elif asked is not None:
+        echo(f"--workers {asked}: {why_not}")
+
+
+def prefetch_comparisons(problem: Any) -> None:
+    """Let the workers start on AMP and the hand rules now (evaluated when the search ends)."""
+    from autoprec.agents.hand_rules import hand_rule_policies
+    from autoprec.hardware.defaults import amp_policy
+
+    policies = [amp_policy(problem.evaluator.device)]
+    policies += [problem.to_policy(p) for _, p in hand_rule_policies(problem)]
+    problem.evaluator.prefetch(policies, problem.fidelity)
+
+
+def comparisons(
+    problem: Any, phases: dict[str, float], phase: Callable[[str], Any]
+) -> tuple[Any, list[tuple[str, Any, float]]]:
+    """The real metrics of the target's blanket AMP policy, and ``(name, metrics, reward)`` of
+    each hand-written fp8 rule that applies (:mod:`autoprec.agents.hand_rules`), for the
+    comparison printed beside the searched policy; each is cached if the agent tried it. Their
+    seconds go into ``phases`` (``"AMP comparison"``; the rules under ``phase("hand rules")``,
+    which prints its line)."""
+    from autoprec.agents.hand_rules import hand_rule_policies
+    from autoprec.hardware.defaults import amp_policy
+
+    begin = time.perf_counter()
+    amp = problem.evaluate(amp_policy(problem.evaluator.device))
+    phases["AMP comparison"] = time.perf_counter() - begin
+    out = []
+    rules = hand_rule_policies(problem)
+    if rules:
+        with phase("hand rules"):
+            for name, policy in rules:
+                metrics = problem.evaluate(policy)
+                out.append((name, metrics, problem.reward(metrics)))
+    return amp, out
