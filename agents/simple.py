@@ -52,6 +52,7 @@ class BaselineAgent(Agent):
     name = "baseline"
 
     def run(self, session: Session) -> None:
+        session.prefetch(policy for _, policy in baseline_policies(session))
         for name, policy in baseline_policies(session):
             if session.exhausted:
                 return
@@ -84,10 +85,23 @@ class RandomAgent(Agent):
         space = math.prod(len(c) for c in choices.values())
         repeats = 0
         while not session.exhausted and session.used < space and repeats < self.max_repeats:
-            policy = {n: choices[n][int(rng.integers(len(choices[n])))] for n in layers}
-            before = session.used
-            session.evaluate(policy)
-            repeats = repeats + 1 if session.used == before else 0
+            # the draws up to the budget first (a draw tried before is a repeat), handed to the
+            # evaluator's workers at once, then evaluated in the order drawn
+            drawn: dict[tuple[str, ...], dict[str, str]] = {}
+            while (
+                len(drawn) < session.remaining
+                and session.used + len(drawn) < space
+                and repeats < self.max_repeats
+            ):
+                policy = {n: choices[n][int(rng.integers(len(choices[n])))] for n in layers}
+                key = session.key(problem.complete(policy))
+                if key in drawn or session.seen(policy) is not None:
+                    repeats += 1
+                    continue
+                drawn[key], repeats = policy, 0
+            session.prefetch(drawn.values())
+            for policy in drawn.values():
+                session.evaluate(policy)
 
 
 class GreedyAgent(Agent):

@@ -49,6 +49,10 @@ class Args:
     )
     seeds: int = 3
     policies: int = 30
+    workers: int = field(
+        default=2,
+        metadata={"help": "worker processes of the random-policy evaluations (0: this one)"},
+    )
     target: str = "h100-sxm"
     cache_root: str | None = field(
         default=None,
@@ -127,6 +131,9 @@ def main() -> None:
             test = random_policies(spec, args.policies, seed=2)
             for steps in args.steps:
                 ev = Evaluator(spec, data, target=args.target, steps=steps, cache_dir=cache)
+                ev.reference()
+                ev.start_workers(args.workers)  # the real runs below go side by side
+                ev.prefetch([*PRECISIONS, *train, *test])
                 uniform = [ev.evaluate(p) for p in PRECISIONS]  # fits the surrogate
                 if any(m.diverged for m in uniform):
                     raise SystemExit(f"{name} on {dataset}: a uniform policy diverged")
@@ -135,6 +142,7 @@ def main() -> None:
                     ev.evaluate(p)
                 refit = [ev.evaluate(p, fidelity="surrogate").loss_delta for p in test]
                 measured = [ev.evaluate(p).loss_delta for p in test]
+                ev.stop_workers()
                 other = Evaluator(
                     spec,
                     data,
@@ -143,7 +151,11 @@ def main() -> None:
                     batch_seed=OTHER_ORDER,
                     cache_dir=cache,
                 )
+                other.reference()
+                other.start_workers(args.workers)
+                other.prefetch(test)
                 repeat = [other.evaluate(p).loss_delta for p in test]
+                other.stop_workers()
                 rank_rows.append(
                     f"| {name} | {dataset} | {steps} | {args.policies} | "
                     f"{float(np.std(measured)):.5f} | {rho(measured, repeat):.2f} | "
@@ -161,7 +173,13 @@ def main() -> None:
         f"{budget['full']} (averaged), at batch {cfg.batch_size}, SGD lr "
         f"{cfg.resolved_finetune_lr:g}, momentum {cfg.momentum:g}; scored by the loss over the "
         "whole training split with the policy applied. The surrogate's sensitivity table is "
-        "measured on the same warm start."
+        "measured on the same warm start. The random policies' evaluations ran "
+        + (
+            f"{args.workers} at a time in worker processes"
+            if args.workers > 1
+            else "one at a time in the benchmark's process"
+        )
+        + "."
     )
     body = "\n".join(
         [

@@ -443,3 +443,44 @@ def test_workers_asking_together_on_sqlite_never_get_the_same_enqueued_trial(tmp
     ]
     numbers = [n for w in workers for n in json.loads(w.communicate(timeout=120)[0])]
     assert sorted(numbers) == list(range(30))
+
+
+@pytest.mark.parametrize(("agent", "calls"), [("ppo", 2), ("random", 1), ("baseline", 1)])
+def test_agents_hand_their_proposals_to_the_workers_and_find_what_they_find_alone(
+    agent, calls, spec, data, tmp_path
+):
+    """``ppo`` hands each round's proposals to the evaluator's workers at once, ``random`` its
+    draws, ``baseline`` its list (never more than the budget, in the order evaluated); with one
+    thread each, as here, the search is the one it is without workers."""
+    from autoprec.evaluate import Evaluator
+
+    from .conftest import SMALL
+
+    def problem(folder: str) -> Problem:
+        return Problem(Evaluator(spec, data, TARGET, cache_dir=tmp_path / folder, **SMALL))
+
+    options = {"budget": 3, "seed": 0, "agent": agent}
+    if agent == "ppo":
+        options |= {"timesteps": 128, "proposals": 4}
+    alone = search(problem("alone"), **options)
+    pooled_problem = problem("pooled")
+    evaluator = pooled_problem.evaluator
+    evaluator.reference()
+    assert evaluator.start_workers(2) is None
+    handed: list[list[dict]] = []
+    prefetch = evaluator.prefetch
+
+    def recording(policies, fidelity=None):
+        handed.append([{k: v.value for k, v in p.layers.items()} for p in policies])
+        return prefetch(policies, fidelity)
+
+    evaluator.prefetch = recording
+    try:
+        pooled = search(pooled_problem, **options)
+    finally:
+        evaluator.stop_workers()
+    assert len(handed) == calls
+    assert [p for batch in handed for p in batch] == [t.policy for t in pooled.real_trials]
+    assert [t.policy for t in pooled.real_trials] == [t.policy for t in alone.real_trials]
+    losses = [t.metrics.loss for t in pooled.real_trials]
+    assert losses == [t.metrics.loss for t in alone.real_trials]

@@ -104,42 +104,6 @@ def test_ppo_keeps_its_state_under_the_search_name(make_problem, tmp_path):
     assert "resumed_from" not in again.info  # not resumed: the folder was emptied first
 
 
-def test_ppo_hands_each_round_to_the_workers_and_finds_what_it_finds_alone(spec, data, tmp_path):
-    """Each round's proposals start in the evaluator's workers at once (no more than the
-    budget); with one thread each, as here, the search is the one it is without them."""
-    from autoprec.evaluate import Evaluator
-
-    from .conftest import SMALL, TARGET
-
-    def problem(folder: str) -> Problem:
-        return Problem(Evaluator(spec, data, TARGET, cache_dir=tmp_path / folder, **SMALL))
-
-    options = {"timesteps": 128, "proposals": 4, "budget": 3, "seed": 0, "agent": "ppo"}
-    alone = search(problem("alone"), **options)
-    pooled_problem = problem("pooled")
-    evaluator = pooled_problem.evaluator
-    evaluator.reference()
-    assert evaluator.start_workers(2) is None
-    handed: list[list[dict]] = []
-    prefetch = evaluator.prefetch
-
-    def recording(policies, fidelity=None):
-        handed.append([{k: v.value for k, v in p.layers.items()} for p in policies])
-        return prefetch(policies, fidelity)
-
-    evaluator.prefetch = recording
-    try:
-        pooled = search(pooled_problem, **options)
-    finally:
-        evaluator.stop_workers()
-    assert len(handed) == 2  # a round each, its proposals in the order it evaluates them
-    assert [p for rnd in handed for p in rnd] == [t.policy for t in pooled.real_trials]
-    assert [t.policy for t in pooled.real_trials] == [t.policy for t in alone.real_trials]
-    assert [t.metrics.loss for t in pooled.real_trials] == [
-        t.metrics.loss for t in alone.real_trials
-    ]
-
-
 def test_ppo_leaves_no_logger_folder_in_the_temp_directory(make_problem, tmp_path, monkeypatch):
     """SB3 makes ``SB3-<date>`` in the temp directory on every ``learn`` of a model without a
     logger of its own; a search makes none."""
