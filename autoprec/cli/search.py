@@ -274,10 +274,10 @@ class _SearchRun:
             evaluator.reference()
         self.evaluator = evaluator  # its workers are stopped when the command ends
         start_workers(evaluator, o["workers"], self.console.print)
+        problem = Problem(evaluator, fidelity=o["fidelity"], reward=reward, precisions=precisions)
+        prefetch_comparisons(problem)  # the workers run them while the sensitivities are measured
         with self._phase("sensitivity", draws_progress=True):
             build_surrogate(evaluator, self.console)
-        problem = Problem(evaluator, fidelity=o["fidelity"], reward=reward, precisions=precisions)
-        prefetch_comparisons(problem)
         self.device = device
         self.problem = problem
         out, pareto = Path(o["out"]), o["pareto_dir"]

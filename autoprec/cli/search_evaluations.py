@@ -2,9 +2,9 @@
 comparisons every search prints (the target's AMP, the hand-written fp8 rules).
 
 On a CPU the evaluations run side by side in worker processes (``--workers``;
-:mod:`autoprec.evaluate.pool`): the agent's rounds hand their proposals to the workers at once,
-and AMP and the hand rules start as the search does, so that their results are there when the
-search ends.
+:mod:`autoprec.evaluate.pool`): AMP and the hand rules start while the sensitivities are
+measured, so that their results are there when the search ends, and the agent hands its
+proposals to the workers as it makes them.
 """
 
 from __future__ import annotations
