@@ -18,6 +18,13 @@ seconds with an empty one (a new user's first run), so :class:`Kernel` decides p
   A short run never compiles; a long one compiles early.
 - **A bound per process**: no new build starts once builds have taken ``AUTOPREC_COMPILE_BUDGET``
   seconds (default 60); kernels not built by then stay eager.
+- **No per-call dynamo overhead**: once built, the graph's compiled code is called directly
+  (:class:`_Direct`) for inputs like the build's (dtypes, devices, 1-D contiguous flats, the
+  same thread count), checked in a few attribute reads instead of dynamo's frame hook and guard
+  tree (tens of microseconds a call, more than the kernel itself on a small tensor). Any other
+  input goes through ``torch._dynamo.run`` as above, and so does every input where the build
+  could not be mapped onto the kernel's arguments (the graph's inputs are read from dynamo's
+  graph metadata) or the direct call did not reproduce dynamo's result bit for bit.
 
 Both paths give the same bits; ``AUTOPREC_COMPILE=0`` forces eager, ``AUTOPREC_COMPILE=1``
 compiles at the first call regardless of pay-off and budget. If compiling fails (no C++
@@ -26,7 +33,9 @@ compiler, ...), a warning says so once and every kernel stays eager.
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 import time
 import types
 import warnings
@@ -36,8 +45,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.fx.experimental._config as fx_config
+import torch.utils._pytree as pytree
 
-__all__ = ["Kernel", "KernelStats", "compile_budget_spent"]
+__all__ = ["Kernel", "KernelStats", "compile_budget_spent", "outside_function_modes"]
 
 DEFAULT_PAYBACK_S = 2.0
 DEFAULT_BUDGET_S = 60.0
@@ -65,12 +76,16 @@ def _seconds(name: str, default: float) -> float:
 
 
 @contextmanager
-def _outside_function_modes() -> Iterator[None]:
+def outside_function_modes() -> Iterator[None]:
     """Without the torch function modes in force (the runtime's ``WeightUseMode`` while a model
-    runs): dynamo guards on that stack, and a kernel has no matmul for a mode to see."""
-    modes = [
-        torch._C._pop_torch_function_stack() for _ in range(torch._C._len_torch_function_stack())
-    ]
+    runs): dynamo guards on that stack, a kernel has no matmul for a mode to see, and every
+    tensor operation under a Python mode pays a Python call (tens of microseconds for a
+    rounding's few small operations)."""
+    depth = torch._C._len_torch_function_stack()
+    if not depth:
+        yield
+        return
+    modes = [torch._C._pop_torch_function_stack() for _ in range(depth)]
     try:
         yield
     finally:
@@ -93,6 +108,108 @@ class KernelStats:
     fallback_calls: int = 0  # inputs the graph's guards rejected, run eagerly by dynamo
     build_s: float | None = None  # None: not built
     graph: Callable | None = field(default=None, repr=False)
+    direct: _Direct | None = field(default=None, repr=False)
+
+
+# what a graph input may be for the direct call: a kernel argument or the length of one
+_PLACEHOLDER = re.compile(r"L\['args'\]\[(\d+)\](\.size\(\)\[0\])?")
+
+
+@dataclass
+class _Direct:
+    """A built graph's compiled code, called without dynamo: ``call(*pick(args))`` returns the
+    graph's tensors, which ``rebuild`` puts back in the kernel's output structure. Valid for
+    arguments like the build's (``signature``: dtype, device and, for a flat, None, else the
+    shape) under the thread count it was built for (inductor sizes its reduction buffers by it).
+    """
+
+    call: Callable
+    pick: Callable[[tuple], tuple]
+    rebuild: Callable[[list], Any]
+    signature: tuple[tuple[torch.dtype, torch.device, torch.Size | None], ...]
+    threads: int
+
+    def accepts(self, args: tuple) -> bool:
+        """Whether ``args`` are like the build's (else dynamo's guards decide)."""
+        if len(args) != len(self.signature) or torch.get_num_threads() != self.threads:
+            return False
+        for arg, (dtype, device, shape) in zip(args, self.signature, strict=True):
+            if arg.dtype != dtype or arg.device != device:
+                return False
+            if shape is None:  # a flat: any length dynamo would not specialise
+                if arg.dim() != 1 or arg.stride(0) != 1 or arg.shape[0] < 2:
+                    return False
+            elif arg.shape != shape:
+                return False
+        return True
+
+    def __call__(self, args: tuple) -> Any:
+        return self.rebuild(list(self.call(*self.pick(args))))
+
+
+def _capturing(captured: list) -> Callable:
+    """A dynamo backend that compiles with inductor, as the default one does, and keeps what it
+    compiled and where each graph input comes from, for :func:`_direct`."""
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        from torch._inductor.compile_fx import compile_fx
+
+        compiled = compile_fx(gm, example_inputs)
+        sources = []
+        for node in gm.graph.nodes:
+            if node.op == "placeholder":
+                arg = node.meta.get("grapharg")
+                name = getattr(getattr(arg, "source", None), "name", "")
+                sources.append(name() if callable(name) else name)  # a method in older torch
+        captured.append((compiled, sources))
+        return compiled
+
+    return backend
+
+
+def _same_bits(a: Any, b: Any) -> bool:
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return False
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def _direct(captured: list, args: tuple, flats: int, out: Any) -> _Direct | None:
+    """The direct call of the one graph dynamo built, if its inputs are all kernel arguments or
+    flat lengths (one per flat) and it reproduces ``out``, dynamo's result, bit for bit; else
+    None (the graph then always runs through dynamo)."""
+    if len(captured) != 1:
+        return None
+    compiled, sources = captured[0]
+    picks, lengths = [], set()
+    for source in sources:
+        match = _PLACEHOLDER.fullmatch(source)
+        if match is None:
+            return None
+        index, length = int(match[1]), match[2] is not None
+        if length:
+            lengths.add(index)
+        picks.append(f"a[{index}].shape[0]" if length else f"a[{index}]")
+    if lengths != set(range(flats)):  # a length shared by two flats would not be general
+        return None
+    pick = eval(f"lambda a: ({', '.join(picks)},)")  # noqa: S307 -- built from the regex above
+    leaves, spec = pytree.tree_flatten(out)
+    try:
+        with torch.no_grad():
+            got = list(compiled(*pick(args)))
+    except Exception:
+        return None
+    if len(got) != len(leaves) or not all(map(_same_bits, got, leaves)):
+        return None
+    signature = tuple(
+        (a.dtype, a.device, None if i < flats else a.shape) for i, a in enumerate(args)
+    )
+    if isinstance(out, tuple) and len(leaves) == len(out):  # a tuple of tensors
+        rebuild: Callable[[list], Any] = tuple
+    else:
+        rebuild = functools.partial(pytree.tree_unflatten, treespec=spec)
+    return _Direct(compiled, pick, rebuild, signature, torch.get_num_threads())
 
 
 def _flagged(fn: Callable) -> Callable:
@@ -116,14 +233,14 @@ class Kernel:
         self.fn = fn
         self.stats: dict[str, KernelStats] = {}
 
-    def _graph(self, device_type: str) -> Callable:
+    def _graph(self, device_type: str, captured: list) -> Callable:
         # dynamo caches on the code object: one per (kernel, device) keeps each cache to one
         # entry, so that a guard that fails means "run eagerly", never "build another"
         name = f"{self.name}_{device_type}"
         fn = _flagged(self.fn)
         code = fn.__code__.replace(co_name=name)
         variant = types.FunctionType(code, fn.__globals__, name, None, fn.__closure__)
-        return torch.compile(variant, dynamic=False)
+        return torch.compile(variant, backend=_capturing(captured), dynamic=False)
 
     def run(self, flats: tuple, constants: tuple, eager: Callable[[], Any], backend: str) -> Any:
         """``fn(*flats, *constants)`` compiled, or ``eager()``, whichever the rules choose.
@@ -134,12 +251,16 @@ class Kernel:
             eager: runs the kernel eagerly (same bits), for when the graph does not run.
             backend: ``"auto"``, ``"eager"`` or ``"compiled"`` (compile now; errors raise).
         """
-        with _outside_function_modes():
+        if not torch._C._len_torch_function_stack():  # the common case, without a with
+            return self._run(flats, (*flats, *constants), eager, backend)
+        with outside_function_modes():
             return self._run(flats, (*flats, *constants), eager, backend)
 
     def _run(self, flats: tuple, args: tuple, eager: Callable[[], Any], backend: str) -> Any:
         flat = flats[0]
-        stats = self.stats.setdefault(flat.device.type, KernelStats())
+        stats = self.stats.get(flat.device.type) or self.stats.setdefault(
+            flat.device.type, KernelStats()
+        )
         setting = os.environ.get("AUTOPREC_COMPILE", "")
         if backend == "eager" or flat.numel() < 2 or torch.compiler.is_compiling():
             return eager()  # sizes 0 and 1 are always specialised by dynamo
@@ -147,6 +268,13 @@ class Kernel:
         if stats.graph is None and (forced or self._pays(stats, setting)):
             return self._build(stats, flats, args, eager, strict=backend == "compiled")
         if stats.graph is not None and setting != "0":
+            direct = stats.direct
+            if direct is not None and direct.accepts(args):
+                stats.compiled_calls += 1
+                if torch.is_grad_enabled():
+                    with torch.no_grad():
+                        return direct(args)
+                return direct(args)
             if torch.is_grad_enabled():
                 with torch.no_grad():
                     out, compiled = stats.graph(*args)
@@ -172,12 +300,14 @@ class Kernel:
     def _build(
         self, stats: KernelStats, flats: tuple, args: tuple, eager: Callable, strict: bool
     ) -> Any:
-        graph = self._graph(flats[0].device.type)
+        captured: list = []
+        graph = self._graph(flats[0].device.type, captured)
         for flat in flats:
             torch._dynamo.mark_dynamic(flat, 0)
         start = time.perf_counter()
         try:
-            with torch.no_grad():
+            # one length symbol per flat, even where two have the same length now
+            with torch.no_grad(), fx_config.patch(use_duck_shape=False):
                 out, _ = graph(*args)
         except Exception as err:  # no C++ compiler, unsupported platform, ...
             if strict:
@@ -198,6 +328,7 @@ class Kernel:
         # from now on only the graph built here runs: an input its guards reject runs the
         # function eagerly (torch._dynamo.run never compiles)
         stats.graph = torch._dynamo.run(graph)
+        stats.direct = _direct(captured, args, len(flats), out)
         stats.compiled_calls += 1
         return out
 

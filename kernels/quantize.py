@@ -13,9 +13,10 @@ rounded on the fixed subnormal grid with ``round`` (ties to even), which is exac
 scale is a power of two. Overflow, infinities and NaN are then patched in with ``where``. The
 same expression runs eagerly (the portable fallback) or fused into one loop by
 ``torch.compile``, which is what makes it run near memory speed: one graph for every format
-and size (the format's constants are inputs), built once eager rounding has cost about as much
-as building it would (:mod:`.dispatch`). Overflows and underflows are counted on the bits in
-the same loop.
+and size (the format's constants are inputs; bf16 and tf32, which need neither the subnormal
+grid nor the overflow patches, have a leaner graph of their own), built once eager rounding has
+cost about as much as building it would (:mod:`.dispatch`). Overflows and underflows are
+counted on the bits in the same loop.
 
 Stochastic rounding adds a uniform random integer below the kept bits before clearing them, so
 a value rounds up with probability equal to its distance from the lower grid point over the
@@ -47,13 +48,20 @@ _SIGN_BIT = -(1 << 31)  # 0x80000000 as an int32
 _RANDOM_BITS = 24
 
 
-def round_bits(x: Tensor, rnd: Tensor | None, c: dict) -> Tensor:
+def round_bits(
+    x: Tensor, rnd: Tensor | None, c: dict, wide: bool = False, in_range: bool = False
+) -> Tensor:
     """The rounding expression on a float32 tensor; ``rnd`` holds random bits for stochastic.
 
     Returns the rounded magnitude's bits (no sign yet), as int32. ``c`` holds the format's
     constants (:func:`_constants`), as Python numbers (eager) or 0-dim tensors (the compiled
     graph, shared by every format). Written with torch operations only, so it runs eagerly and
-    under ``torch.compile``.
+    under ``torch.compile``. ``wide=True`` is for a format with fp32's range that overflows to
+    inf (bf16, tf32; :func:`is_wide`): it never takes the subnormal grid (``min_normal`` is 0),
+    and a carry out of the kept mantissa bits lands on inf's bits by itself, as does an
+    infinity, so only NaN needs patching: the same bits in a third of the operations.
+    ``in_range=True`` is for values already clamped to the largest finite value (a saturating
+    scaled cast): nothing can overflow, so the overflow and infinity patches are left out.
     """
     mag = x.view(torch.int32) & 0x7FFFFFFF
     clamped = torch.clamp_max(mag, _INF_BITS)  # keeps the integer adds below from wrapping
@@ -65,6 +73,27 @@ def round_bits(x: Tensor, rnd: Tensor | None, c: dict) -> Tensor:
 
     # values below the format's smallest normal: fixed subnormal grid (never for bf16/tf32,
     # whose min_normal is 0 here: their subnormals are fp32's, which the bit rounding handles)
+    if not wide:
+        rounded = _subnormal_grid(clamped, rnd, rounded, c)
+    if not (wide or in_range):
+        overflow = (clamped >= c["threshold"]) if rnd is None else (rounded > c["max_bits"])
+        # saturate: finite overflows clamp to the largest finite value, infinities keep the
+        # format's rule (inf, or NaN without inf); else both take the format's rule
+        rounded = torch.where(overflow, c["overflow_to"], rounded)
+        rounded = torch.where(clamped >= _INF_BITS, c["inf_to"], rounded)
+    return torch.where(mag > _INF_BITS, mag, rounded)  # NaN stays NaN, payload kept
+
+
+def is_wide(fmt: Format, saturate: bool) -> bool:
+    """Whether ``fmt`` rounds with ``round_bits(..., wide=True)``: fp32's range, overflow to
+    inf, no saturation."""
+    return fmt.same_range_as_fp32 and fmt.overflow == "inf" and not saturate
+
+
+def _subnormal_grid(clamped: Tensor, rnd: Tensor | None, rounded: Tensor, c: dict) -> Tensor:
+    """``rounded`` with the magnitudes below the format's smallest normal rounded on its fixed
+    subnormal grid instead, with ``round`` (ties to even): exact, as the scale is a power of
+    two."""
     absx = clamped.view(torch.float32)
     scaled = absx * c["inv_quantum"]  # exact: power-of-two scale, result < 2**(mantissa+1)
     if rnd is None:
@@ -74,14 +103,7 @@ def round_bits(x: Tensor, rnd: Tensor | None, c: dict) -> Tensor:
         uniform = rnd.to(torch.float32) * (2.0**-_RANDOM_BITS)
         steps = low + (uniform < (scaled - low)).to(torch.float32)
     sub = (steps * c["quantum"]).view(torch.int32)
-    rounded = torch.where(clamped < c["min_normal"], sub, rounded)
-
-    overflow = (clamped >= c["threshold"]) if rnd is None else (rounded > c["max_bits"])
-    # saturate: finite overflows clamp to the largest finite value, infinities keep the
-    # format's rule (inf, or NaN without inf); else both take the format's rule
-    rounded = torch.where(overflow, c["overflow_to"], rounded)
-    rounded = torch.where(clamped >= _INF_BITS, c["inf_to"], rounded)
-    return torch.where(mag > _INF_BITS, mag, rounded)  # NaN stays NaN, payload kept
+    return torch.where(clamped < c["min_normal"], sub, rounded)
 
 
 def with_sign(x: Tensor, rounded: Tensor) -> Tensor:
@@ -157,11 +179,19 @@ def _nearest_graph(flat: Tensor, ints: Tensor, floats: Tensor) -> tuple[Tensor, 
     return with_sign(flat, rounded), torch.stack(_counts(flat, rounded, c, torch.int32))
 
 
+def _wide_graph(flat: Tensor, ints: Tensor, floats: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`_nearest_graph` for the formats of :func:`is_wide`, in one graph of their own."""
+    c = unpack_constants(ints, floats)
+    rounded = round_bits(flat, None, c, wide=True)
+    return with_sign(flat, rounded), torch.stack(_counts(flat, rounded, c, torch.int32))
+
+
 def _stochastic_graph(flat: Tensor, rnd: Tensor, ints: Tensor, floats: Tensor) -> Tensor:
     return with_sign(flat, round_bits(flat, rnd, unpack_constants(ints, floats)))
 
 
 _NEAREST = Kernel("quantize_nearest", _nearest_graph)
+_WIDE = Kernel("quantize_wide", _wide_graph)
 _STOCHASTIC = Kernel("quantize_stochastic", _stochastic_graph)
 GRAPH_MAX_NUMEL = (1 << 31) - 1  # counts are int32 in the graph
 
@@ -270,16 +300,19 @@ def _round_nearest(
     """``(rounded, counts)``: counts is an int (overflows, underflows) pair when compiled or
     asked for, else None."""
 
+    wide = is_wide(fmt, saturate)
+
     def eager() -> tuple[Tensor, Tensor | None]:
         c = _constants(fmt, saturate)
-        rounded = round_bits(x32, None, c)
+        rounded = round_bits(x32, None, c, wide)
         counts = torch.stack(_counts(x32, rounded, c, torch.int64)) if count else None
         return with_sign(x32, rounded), counts
 
     if x32.numel() > GRAPH_MAX_NUMEL:
         return eager()
     flat = x32.detach().reshape(-1)  # rounding is not differentiable
-    out = _NEAREST.run((flat,), constant_tensors(fmt, saturate, x32.device), eager, backend)
+    kernel = _WIDE if wide else _NEAREST
+    out = kernel.run((flat,), constant_tensors(fmt, saturate, x32.device), eager, backend)
     return shaped(out[0], x32.shape), out[1]
 
 

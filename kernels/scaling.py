@@ -267,7 +267,7 @@ def _round_trip_graph(
     limit = limits[0].to(torch.float32)
     scaled = flat * scale
     clamped = torch.clamp(scaled, -limit, limit)
-    rounded = round_bits(clamped, None, unpack_constants(ints, floats))
+    rounded = round_bits(clamped, None, unpack_constants(ints, floats), in_range=True)
     data = with_sign(clamped, rounded)
     mag = flat.view(torch.int32) & 0x7FFFFFFF
     lost = (mag >= 0x7F800000) | (scaled.abs() >= limits[1].to(torch.float32))
@@ -277,7 +277,7 @@ def _round_trip_graph(
 
 
 _ROUND_TRIP = Kernel("scaled_round_trip", _round_trip_graph)
-_limits: dict[tuple, Tensor] = {}
+_limits: dict[tuple, tuple[Tensor, Format]] = {}
 
 
 class DynamicScaledCast(_Counts):
@@ -333,7 +333,16 @@ class DynamicScaledCast(_Counts):
         """Zero the counters."""
         self._overflows: Tensor | int = 0
         self._underflows: Tensor | int = 0
+        self._fused: Tensor | None = None  # [overflows, underflows] of the compiled round trips
         self._numel = 0
+
+    @property
+    def overflows(self) -> int:
+        return int(self._overflows) + (0 if self._fused is None else int(self._fused[0]))
+
+    @property
+    def underflows(self) -> int:
+        return int(self._underflows) + (0 if self._fused is None else int(self._fused[1]))
 
     def __call__(self, x: Tensor, generator: torch.Generator | None = None) -> ScaledTensor:
         """Scale ``x`` by its own amax, cast it with saturation, count what was lost."""
@@ -376,21 +385,19 @@ class DynamicScaledCast(_Counts):
         ):
             return self(x).dequantize()
         x32 = x.detach().float()
-        key = (self.fmt, x32.device)
+        key = (id(self.fmt), x32.device)  # Format's dataclass hash is slow; fmt is kept below
         if key not in _limits:
             wide = torch.float32 if x32.device.type == "mps" else torch.float64  # as _scale_of
             limits = [self.fmt.max_finite, self.fmt.overflow_threshold]
-            _limits[key] = torch.tensor(limits, dtype=wide, device=x32.device)
-        constants = (*constant_tensors(self.fmt, True, x32.device), _limits[key])
+            _limits[key] = (torch.tensor(limits, dtype=wide, device=x32.device), self.fmt)
+        constants = (*constant_tensors(self.fmt, True, x32.device), _limits[key][0])
         out, counts = _ROUND_TRIP.run(
             (x32.reshape(-1),), constants, lambda: (self(x32).dequantize(), None), backend
         )
         if counts is not None:  # the eager path counted already
             self._numel += x32.numel()
-            if self.count:
-                counts = counts.long()
-                self._overflows = self._overflows + counts[0]
-                self._underflows = self._underflows + counts[1]
+            if self.count:  # one small operation a call: the pair, summed in place
+                self._fused = counts.long() if self._fused is None else self._fused.add_(counts)
         return shaped(out, x32.shape)
 
     def __repr__(self) -> str:

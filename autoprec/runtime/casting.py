@@ -83,13 +83,14 @@ class _Cast:
         if not self.count:
             return quantize(x, self.fmt)
         rounded, counts = quantize_counted(x, self.fmt)  # counted in the one kernel
-        if self.fresh_only and (x.device.type != "cpu" or int(counts[0])):
+        if self.fresh_only and (x.device.type != "cpu" or counts.tolist()[0]):
             # the fused count includes every non-finite value that arrived (its result is not
             # finite either); on the CPU, where reading a count back is free, look for them
             # only when something overflowed
             arrived = (~torch.isfinite(x)).sum()
             counts = counts - torch.stack((arrived, torch.zeros_like(arrived)))
-        self._counts = counts.long() if self._counts is None else self._counts + counts
+        # summed in place: one small operation a call
+        self._counts = counts.long() if self._counts is None else self._counts.add_(counts)
         return rounded
 
     def counts(self) -> tuple[int, int]:

@@ -20,6 +20,7 @@ from torch import nn
 
 from autoprec.hardware.runnability import NotRunnableError
 from autoprec.kernels import fake_quantize
+from autoprec.kernels.dispatch import outside_function_modes
 from autoprec.precision import Precision
 from autoprec.runtime import native
 from autoprec.runtime.casting import LayerCasts
@@ -183,6 +184,10 @@ class ManagedLayer:
             return args, kwargs
         if not self.casts.active:
             return args, kwargs
+        with outside_function_modes():  # the model's WeightUseMode: nothing to see here
+            return self._cast_operands(module, args, kwargs)
+
+    def _cast_operands(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         rounded: dict[int, torch.Tensor] = {}  # keeps `query is key` true for self-attention
 
         def cast(x: Any) -> Any:
@@ -206,11 +211,12 @@ class ManagedLayer:
         if self.native:
             output = self._exit_native(output)
         else:
-            output = self._round_gradient(output)
-            if bias is not None and isinstance(output, torch.Tensor):  # fp8: as Float8Linear
-                output = output + self.casts.forward_operand(bias, "bias")
-                if self.casts.output_format is not None:  # the add runs in the stored dtype
-                    output = fake_quantize(output, self.casts.output_format, None)
+            with outside_function_modes():
+                output = self._round_gradient(output)
+                if bias is not None and isinstance(output, torch.Tensor):  # as Float8Linear
+                    output = output + self.casts.forward_operand(bias, "bias")
+                    if self.casts.output_format is not None:  # the add runs in stored dtype
+                        output = fake_quantize(output, self.casts.output_format, None)
         if self._unswap and not self.running:
             self._back_to_linear()
         return output

@@ -17,25 +17,33 @@ QUANTIZE = importlib.import_module("autoprec.kernels.quantize")  # the module, n
 
 @pytest.fixture
 def fresh(monkeypatch):
-    """No graph built yet, no compile time spent, no AUTOPREC_COMPILE override."""
+    """No graph built yet, no compile time spent, no AUTOPREC_COMPILE override; returns the
+    (new) kernel that rounds fp16 to nearest (bf16 and tf32 have their own, ``QUANTIZE._WIDE``)."""
     monkeypatch.delenv("AUTOPREC_COMPILE", raising=False)
     monkeypatch.setattr(dispatch, "_PROCESS", dispatch._Process())
+    monkeypatch.setattr(QUANTIZE, "_WIDE", dispatch.Kernel("test_wide", QUANTIZE._WIDE.fn))
     kernel = dispatch.Kernel("test_nearest", QUANTIZE._NEAREST.fn)
     monkeypatch.setattr(QUANTIZE, "_NEAREST", kernel)
     return kernel
 
 
-def test_one_graph_for_every_shape_and_format(fresh, monkeypatch):
+@pytest.mark.parametrize(
+    ("formats", "kernel"),
+    [(("fp16", "fp8_e4m3", "fp8_e5m2"), "_NEAREST"), (("bf16", "tf32"), "_WIDE")],
+)
+def test_one_graph_for_every_shape_and_format(fresh, monkeypatch, formats, kernel):
     monkeypatch.setenv("AUTOPREC_COMPILE", "1")
     counters.clear()
     big = torch.randn(5000) * 1000
-    for fmt in ("bf16", "fp16", "tf32", "fp8_e4m3", "fp8_e5m2"):
+    for fmt in formats:
         for x in (big, big[:77], big[3:].view(-1, 19), big.view(50, 100).t()):
             want = quantize(x, fmt, backend="eager")
             assert_same_bits(quantize(x, fmt), want, x)
-    stats = fresh.stats["cpu"]
+    stats = getattr(QUANTIZE, kernel).stats["cpu"]
     assert counters["stats"]["unique_graphs"] == 1
-    assert stats.eager_calls == stats.fallback_calls == 0 and stats.compiled_calls == 20
+    assert stats.eager_calls == stats.fallback_calls == 0
+    assert stats.compiled_calls == 4 * len(formats)
+    assert stats.direct is not None  # and it runs without dynamo's per-call overhead
 
 
 class _PassThrough(torch.overrides.TorchFunctionMode):
@@ -47,10 +55,10 @@ def test_graph_runs_inside_a_torch_function_mode(fresh, monkeypatch):
     """The runtime rounds inside its WeightUseMode; dynamo guards on the mode stack."""
     monkeypatch.setenv("AUTOPREC_COMPILE", "1")
     x = torch.randn(1000)
-    quantize(x, "bf16")
+    quantize(x, "fp16")
     counters.clear()
     with _PassThrough():
-        assert_same_bits(quantize(x, "bf16"), quantize(x, "bf16", backend="eager"), x)
+        assert_same_bits(quantize(x, "fp16"), quantize(x, "fp16", backend="eager"), x)
     assert counters["stats"]["unique_graphs"] == 0  # nothing new was compiled
     assert fresh.stats["cpu"].fallback_calls == 0  # and the graph ran
 
@@ -77,8 +85,8 @@ def test_spent_budget_keeps_kernels_eager(fresh, monkeypatch):
     dispatch._PROCESS.spent_s = 1.0  # as if other kernels had taken the whole budget
     x = torch.randn(4096)
     for _ in range(3):
-        got, over, under = quantize_with_counts(x, "bf16")
-        want = quantize_with_counts(x, "bf16", backend="eager")
+        got, over, under = quantize_with_counts(x, "fp16")
+        want = quantize_with_counts(x, "fp16", backend="eager")
         assert_same_bits(got, want[0], x)
         assert (over, under) == (want[1], want[2])
     assert fresh.stats["cpu"].graph is None and fresh.stats["cpu"].eager_calls == 3
@@ -88,16 +96,16 @@ def test_compile_switch(fresh, monkeypatch):
     x = torch.randn(100)
     monkeypatch.setenv("AUTOPREC_COMPILE", "0")
     monkeypatch.setenv("AUTOPREC_COMPILE_PAYBACK", "0")
-    quantize(x, "bf16")
+    quantize(x, "fp16")
     assert fresh.stats["cpu"].graph is None
     monkeypatch.setenv("AUTOPREC_COMPILE", "1")
-    quantize(x, "bf16")
+    quantize(x, "fp16")
     assert fresh.stats["cpu"].graph is not None
     monkeypatch.setenv("AUTOPREC_COMPILE_BUDGET", "soon")
     monkeypatch.delenv("AUTOPREC_COMPILE")
     fresh.reset()
     with pytest.raises(ValueError, match="AUTOPREC_COMPILE_BUDGET"):
-        quantize(x, "bf16")
+        quantize(x, "fp16")
 
 
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
@@ -119,3 +127,50 @@ def test_scaled_round_trip_is_the_two_step_cast(fmt, backend):
             two_step.underflows,
             two_step.numel,
         )
+
+
+def _edge_values(n: int = 6000) -> torch.Tensor:
+    """Random values over many binades, with the cases every rounding rule has to get right."""
+    specials = torch.tensor(
+        [0.0, -0.0, float("inf"), -float("inf"), float("nan"), 3.4e38, -3.4e38, 1e-45, 2.0**-130]
+    )
+    return torch.cat([torch.randn(n) * 10.0 ** torch.randint(-40, 38, (n,)), specials])
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "tf32", "fp16", "fp8_e4m3", "fp8_e5m2"])
+def test_direct_call_gives_the_bits_and_counts_of_both_other_paths(fresh, monkeypatch, fmt):
+    """Once built, a graph runs without dynamo (the direct call); eager, dynamo and the direct
+    call round and count alike, for every size after the one it was built for."""
+    monkeypatch.setenv("AUTOPREC_COMPILE", "1")
+    x = _edge_values()
+    for n in (x.numel(), 2, 1001):
+        got, over, under = quantize_with_counts(x[:n], fmt)
+        want, want_over, want_under = quantize_with_counts(x[:n], fmt, backend="eager")
+        assert_same_bits(got, want, x[:n])
+        assert (int(over), int(under)) == (int(want_over), int(want_under))
+    kernel = QUANTIZE._WIDE if fmt in ("bf16", "tf32") else fresh
+    stats = kernel.stats["cpu"]
+    assert stats.direct is not None and stats.compiled_calls == 3 and stats.fallback_calls == 0
+
+
+def test_direct_call_only_for_inputs_like_the_build(fresh, monkeypatch):
+    """Another thread count (inductor sizes its reduction buffers by it) or another dtype goes
+    through dynamo, whose guards run it eagerly: the same bits, never a wrong kernel."""
+    monkeypatch.setenv("AUTOPREC_COMPILE", "1")
+    x = _edge_values()
+    want = quantize(x, "fp16", backend="eager")
+    assert_same_bits(quantize(x, "fp16"), want, x)
+    stats = fresh.stats["cpu"]
+    direct = stats.direct
+    args = (x, *QUANTIZE.constant_tensors(QUANTIZE.get_format("fp16"), False, x.device))
+    assert direct.accepts(args)
+    assert not direct.accepts((x.double(), *args[1:]))
+    assert not direct.accepts((x[::2], *args[1:]))  # a strided flat
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        assert not direct.accepts(args)
+        assert_same_bits(quantize(x, "fp16"), want, x)
+    finally:
+        torch.set_num_threads(threads)
+    assert stats.compiled_calls == 1 and stats.fallback_calls == 1
