@@ -410,7 +410,9 @@ def _sweep(
     names = measurer.names
     lowered = sum(p is not Precision.FP32 for p in precisions)
     stage = "sweep" if chosen.method == "sweep" else "focused sweep"
-    stage += f" ({chosen.measured} layers x {lowered})"
+    # auto sweeps more layers than planned while the budget lasts (the total grows with them)
+    more = "+" if chosen.method != "sweep" and chosen.requested == "auto" else ""
+    stage += f" ({chosen.measured}{more} layers x {lowered})"
     total, done = chosen.measured * lowered, 0
     report(stage, 0, total)
 
