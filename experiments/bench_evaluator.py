@@ -61,6 +61,13 @@ class Args:
             "them); the wall times of step 1 always use a fresh folder"
         },
     )
+    section: str = field(
+        default="bench_evaluator",
+        metadata={
+            "help": "the docs section --write-docs replaces: a partial rerun (fewer models, "
+            "datasets or steps) can go to a section of its own, next to the full tables"
+        },
+    )
     write_docs: bool = False
 
 
@@ -216,7 +223,13 @@ def main() -> None:
     )
     print(body)
     if args.write_docs:
-        write_section("bench_evaluator", f"## Policy evaluator\n\n{body}")
+        title = "Policy evaluator"
+        if args.section != Args.section:
+            title += (
+                f": {', '.join(args.rank_models)} on {', '.join(args.datasets)} at "
+                f"{', '.join(map(str, args.steps))} steps (partial rerun)"
+            )
+        write_section(args.section, f"## {title}\n\n{body}")
 
 
 if __name__ == "__main__":
