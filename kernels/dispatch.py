@@ -34,7 +34,6 @@ compiler, ...), a warning says so once and every kernel stays eager.
 from __future__ import annotations
 
 import functools
-import os
 import re
 import time
 import types
@@ -47,6 +46,8 @@ from typing import Any
 import torch
 import torch.fx.experimental._config as fx_config
 import torch.utils._pytree as pytree
+
+from autoprec.defaults import compile_setting, env_seconds
 
 __all__ = ["Kernel", "KernelStats", "compile_budget_spent", "outside_function_modes"]
 
@@ -65,14 +66,6 @@ class _Process:
 
 
 _PROCESS = _Process()
-
-
-def _seconds(name: str, default: float) -> float:
-    value = os.environ.get(name, "")
-    try:
-        return float(value) if value else default
-    except ValueError:
-        raise ValueError(f"{name} must be a number of seconds, got {value!r}") from None
 
 
 @contextmanager
@@ -261,7 +254,7 @@ class Kernel:
         stats = self.stats.get(flat.device.type) or self.stats.setdefault(
             flat.device.type, KernelStats()
         )
-        setting = os.environ.get("AUTOPREC_COMPILE", "")
+        setting = compile_setting()
         if backend == "eager" or flat.numel() < 2 or torch.compiler.is_compiling():
             return eager()  # sizes 0 and 1 are always specialised by dynamo
         forced = backend == "compiled" or setting == "1"
@@ -292,9 +285,9 @@ class Kernel:
     def _pays(self, stats: KernelStats, setting: str) -> bool:
         if setting == "0" or _PROCESS.broken:
             return False
-        if _PROCESS.spent_s >= _seconds("AUTOPREC_COMPILE_BUDGET", DEFAULT_BUDGET_S):
+        if _PROCESS.spent_s >= env_seconds("AUTOPREC_COMPILE_BUDGET", DEFAULT_BUDGET_S):
             return False
-        expected = _PROCESS.longest_s or _seconds("AUTOPREC_COMPILE_PAYBACK", DEFAULT_PAYBACK_S)
+        expected = _PROCESS.longest_s or env_seconds("AUTOPREC_COMPILE_PAYBACK", DEFAULT_PAYBACK_S)
         return stats.eager_s >= expected
 
     def _build(

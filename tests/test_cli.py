@@ -4,7 +4,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from autoprec.cli import main
+from autoprec.defaults import check_compile_environment, env_seconds
 from autoprec.kernels import FORMATS
 
 
@@ -37,3 +40,30 @@ def test_console_script_help_and_version():
         [sys.executable, "-m", "autoprec", "--version"], capture_output=True, text=True, check=True
     ).stdout
     assert "0.1.0" in version
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("AUTOPREC_COMPILE", "yes"),
+        ("AUTOPREC_COMPILE_BUDGET", "abc"),
+        ("AUTOPREC_COMPILE_PAYBACK", "-1"),
+        ("AUTOPREC_COMPILE_PAYBACK", "nan"),
+    ],
+)
+def test_a_bad_compile_setting_is_one_line_before_any_work(name, value, monkeypatch, capsys):
+    monkeypatch.setenv(name, value)
+    # analyze would train the model first; the check comes before the command runs at all
+    assert main(["analyze", "--model", "no-such-model"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"autoprec: error: {name} must be") and repr(value) in err
+    assert "\n" not in err
+
+
+def test_good_compile_settings_pass_the_check(monkeypatch):
+    for name, value in [("AUTOPREC_COMPILE", "0"), ("AUTOPREC_COMPILE_BUDGET", "2.5")]:
+        monkeypatch.setenv(name, value)
+    check_compile_environment()
+    assert env_seconds("AUTOPREC_COMPILE_BUDGET", 60.0) == 2.5
+    monkeypatch.delenv("AUTOPREC_COMPILE_BUDGET")
+    assert env_seconds("AUTOPREC_COMPILE_BUDGET", 60.0) == 60.0

@@ -26,6 +26,7 @@ from autoprec.cli.models import models
 from autoprec.cli.search import search
 from autoprec.cli.train import train
 from autoprec.cli.verify import verify
+from autoprec.defaults import check_compile_environment
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -51,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     # that says nothing to an autoprec user
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     try:
+        check_compile_environment()  # a bad setting is an error before any work
         with _one_line_warnings():
             status = cli.main(args=argv, prog_name="autoprec", standalone_mode=False)
     except click.exceptions.Exit as done:
