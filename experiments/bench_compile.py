@@ -24,6 +24,7 @@ The ViT-tiny is the user model ``bench_sensitivity:vit_tiny`` (timm's, patch 4, 
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import subprocess
@@ -52,18 +53,24 @@ class Args:
         metadata={"help": "analyze and/or search"},
     )
     budget: int = 6
+    section: str = field(
+        default="bench_compile",
+        metadata={"help": "the docs section to write (a run of other models: one of its own)"},
+    )
     write_docs: bool = False
     docs: Path = field(default=DOCS, metadata={"help": "the markdown file to write"})
 
 
 def command(name: str, model: str, budget: int) -> list[str]:
     cmd = [sys.executable, "-m", "autoprec", name, "--model", model]
+    if model == VIT:  # a user factory: analyze offers it 32x32 by itself, search must be told
+        cmd += ["--image-size", "32"]
     return cmd + ["--budget", str(budget)] if name == "search" else cmd
 
 
 def run(cmd: list[str], variant: str, inductor: Path) -> tuple[float, str]:
-    """``(wall seconds, what the command wrote)`` of one fresh process; exits with a one-line
-    message if it fails."""
+    """``(wall seconds, what the command wrote)`` of one fresh process; NaN seconds and the
+    last line it wrote if it fails."""
     setting = SETTING[variant.split(",")[0]]
     with tempfile.TemporaryDirectory(prefix="autoprec-compile-bench-") as work:
         env = dict(
@@ -81,7 +88,8 @@ def run(cmd: list[str], variant: str, inductor: Path) -> tuple[float, str]:
         wall = time.perf_counter() - start
     if done.returncode != 0:
         tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise SystemExit(f"{' '.join(cmd[2:])} ({variant}) failed: {tail}")
+        print(f"{' '.join(cmd[2:])} ({variant}) failed: {tail}", flush=True)
+        return math.nan, f"failed: {tail}"
     return wall, done.stdout + done.stderr
 
 
@@ -90,7 +98,7 @@ def detail(name: str, log: str) -> str:
     phase (search)."""
     swept = re.search(r"\((\d+) of \d+ layers swept\)", log)
     method = re.search(r"sensitivity: (sweep|focused|taylor|Taylor)", log)
-    parts = []
+    parts = [log] if log.startswith("failed: ") else []
     if swept:
         parts.append(f"{swept.group(1)} swept")
     elif method:
@@ -122,10 +130,14 @@ def main() -> None:
                     print(f"{model} {name} {variant}: {walls[variant]:.1f} s", flush=True)
                 ratios = []
                 for state in ("cold", "warm"):
-                    best = min(walls["eager"], walls[f"compiled, {state}"])
+                    pair = (walls["eager"], walls[f"compiled, {state}"])
+                    best = min(pair) if all(map(math.isfinite, pair)) else math.nan
                     ratios.append(walls[f"default, {state}"] / best)
-                cells = " | ".join(f"{walls[v]:.1f}" for v in VARIANTS)
-                met = "yes" if max(ratios) <= TOLERANCE else "no"
+                cells = " | ".join(
+                    f"{walls[v]:.1f}" if math.isfinite(walls[v]) else "failed" for v in VARIANTS
+                )
+                finite = all(map(math.isfinite, ratios))
+                met = "-" if not finite else "yes" if max(ratios) <= TOLERANCE else "no"
                 # the budgeted parts per variant, once where they all did the same
                 said = {v: notes[v] for v in VARIANTS if notes[v]}
                 sweeps = (
@@ -136,7 +148,7 @@ def main() -> None:
                 rows.append(
                     f"| {short(model)} | {name} | {cells} | {ratios[0]:.2f}x | {ratios[1]:.2f}x "
                     f"| {met} | {sweeps} |"
-                )
+                ).replace(" nanx ", " - ")
                 print(rows[-1], flush=True)
             # the table so far, so that a long run stopped early keeps what it measured
             left = args.models[args.models.index(model) + 1 :]
@@ -155,7 +167,7 @@ def report(args: Args, rows: list[str], left: list[str]) -> None:
         "a time budget, so slower kernels show as fewer layers swept rather than more seconds."
     )
     if left:
-        header += f" Not measured yet (the run goes on): {', '.join(map(short, left))}."
+        header += f" Not measured by this run yet: {', '.join(map(short, left))}."
     table = "\n".join(
         [
             "| model | command | "
@@ -165,9 +177,12 @@ def report(args: Args, rows: list[str], left: list[str]) -> None:
             *rows,
         ]
     )
+    title = "Compiled, eager and default kernels end to end"
+    if args.section != Args.section:
+        title += f": {', '.join(map(short, args.models))}"
     publish(
-        "bench_compile",
-        f"## Compiled, eager and default kernels end to end\n\n{header}\n\n{table}\n",
+        args.section,
+        f"## {title}\n\n{header}\n\n{table}\n",
         args,
     )
 
