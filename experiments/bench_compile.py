@@ -145,10 +145,11 @@ def main() -> None:
                     if len(set(said.values())) == 1
                     else "; ".join(f"{v}: {n}" for v, n in said.items())
                 )
+                shown = [f"{r:.2f}x" if math.isfinite(r) else "-" for r in ratios]
                 rows.append(
-                    f"| {short(model)} | {name} | {cells} | {ratios[0]:.2f}x | {ratios[1]:.2f}x "
+                    f"| {short(model)} | {name} | {cells} | {shown[0]} | {shown[1]} "
                     f"| {met} | {sweeps} |"
-                ).replace(" nanx ", " - ")
+                )
                 print(rows[-1], flush=True)
             # the table so far, so that a long run stopped early keeps what it measured
             left = args.models[args.models.index(model) + 1 :]
