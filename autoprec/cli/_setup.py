@@ -204,17 +204,25 @@ def _cost_batch(o: dict[str, Any]) -> int:
 
 def build_evaluator(o: dict[str, Any], device: Any, fidelity: str = "short") -> Any:
     """Model, data and evaluator from the shared options: fine-tuning at ``--image-size``
-    (:data:`SMALL_IMAGE` for torchvision models) on ``--dataset`` (None: the default for the
-    model's task, written back into ``o["dataset"]`` for what is printed and logged), costs at
-    ``--train-batch-size`` and ``--train-shape`` or ``--train-image-size`` (default: the
-    model's own; :func:`production_spec`), feasibility in ``--target-mode``."""
+    (:data:`SMALL_IMAGE` for torchvision models and for a user's factory that needs a size)
+    on ``--dataset`` (None: the default for the model's task, written back into
+    ``o["dataset"]`` for what is printed and logged), costs at ``--train-batch-size`` and
+    ``--train-shape`` or ``--train-image-size`` (default: the model's own;
+    :func:`production_spec`), feasibility in ``--target-mode``."""
     from autoprec.data import load_dataset_for
     from autoprec.evaluate import Evaluator
-    from autoprec.models import load_model
+    from autoprec.models import InputShapeError, load_model
 
     name, classes = o["model_name"], o["num_classes"]
-    spec = load_model(name, num_classes=classes)
     image_size = o["image_size"]
+    try:
+        spec = load_model(name, num_classes=classes)
+    except InputShapeError:
+        # a user's factory that builds at the size it is given: --image-size, else the small
+        # size analyze offers it; that is its own size (the costs' too, but for
+        # --train-image-size or --train-shape)
+        image_size = image_size or SMALL_IMAGE
+        spec = load_model(name, num_classes=classes, image_size=image_size)
     if image_size is None and len(spec.input_shape) == 3 and spec.input_shape[-1] == 224:
         image_size = SMALL_IMAGE
     cost_spec = production_spec(

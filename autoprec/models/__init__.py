@@ -12,9 +12,16 @@ Example:
 from __future__ import annotations
 
 from autoprec.models.registry import list_models, load_model, model_shapes, model_task
-from autoprec.models.spec import ModelError, ModelSpec, Task, UnknownModelError
+from autoprec.models.spec import (
+    InputShapeError,
+    ModelError,
+    ModelSpec,
+    Task,
+    UnknownModelError,
+)
 
 __all__ = [
+    "InputShapeError",
     "ModelError",
     "ModelSpec",
     "Task",

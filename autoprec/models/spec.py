@@ -32,6 +32,10 @@ class UnknownModelError(ModelError):
     """A model name that no family knows; the message suggests close names."""
 
 
+class InputShapeError(ModelError):
+    """A user's model whose input shape is unknown until it is given an image size."""
+
+
 class Task(str, Enum):
     """What a model predicts; compares equal to its string value."""
 

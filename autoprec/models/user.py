@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from autoprec._text import excerpt
-from autoprec.models.spec import ModelError, ModelSpec, Task
+from autoprec.models.spec import InputShapeError, ModelError, ModelSpec, Task
 
 _PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
 
@@ -189,7 +189,7 @@ def build_user(
     shape = getattr(made, "autoprec_input_shape", None)
     if shape is None:
         if image_size is None:
-            raise ModelError(
+            raise InputShapeError(
                 f"model {path!r}: its input shape is unknown; pass image_size (images of "
                 f"(3, S, S)) or set autoprec_input_shape on the module the factory returns"
             )

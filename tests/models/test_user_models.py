@@ -179,6 +179,30 @@ def test_build_evaluator_picks_and_records_the_tasks_dataset():
         assert evaluator.data.name == expected and o["dataset"] == expected
 
 
+@pytest.mark.parametrize(("image_size", "built"), [(None, 32), (8, 8)])
+def test_build_evaluator_gives_a_factory_that_needs_it_an_image_size(
+    user_module, image_size, built
+):
+    """A factory whose model has no autoprec_input_shape is built at --image-size, else at the
+    32 that analyze offers it (it used to fail even with --image-size: the model was first
+    built without one, for the cost shape)."""
+    from autoprec.cli._setup import build_evaluator
+
+    o = {
+        "model_name": f"{user_module}:small",
+        "num_classes": 10,
+        "image_size": image_size,
+        "train_image_size": None,
+        "seed": 0,
+        "data_dir": None,
+        "dataset": None,
+        "steps": 2,
+        "train_batch_size": 8,
+    }
+    evaluator = build_evaluator(o, "h100-sxm")
+    assert tuple(evaluator.spec.input_shape) == (3, built, built)
+
+
 @pytest.mark.parametrize("command", ["search", "migrate", "analyze"])
 def test_dataset_help_names_the_defaults_of_the_registry(command, capsys):
     assert main([command, "--help"]) == 0
