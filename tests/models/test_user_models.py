@@ -160,21 +160,26 @@ def test_an_image_dataset_for_a_text_model_names_the_task_not_the_enum(dataset):
     assert "Task." not in message and "<" not in message
 
 
+def _evaluator_options(model: str, image_size: int | None = None) -> dict:
+    """The shared command options build_evaluator reads, as the commands pass them."""
+    return {
+        "model_name": model,
+        "num_classes": 10,
+        "image_size": image_size,
+        "train_image_size": None,
+        "seed": 0,
+        "data_dir": None,
+        "dataset": None,
+        "steps": 2,
+        "train_batch_size": 8,
+    }
+
+
 def test_build_evaluator_picks_and_records_the_tasks_dataset():
     from autoprec.cli._setup import build_evaluator
 
     for model, expected in (("tinytransformer", "tokens"), ("tinycnn", DEFAULT_DATASET)):
-        o = {
-            "model_name": model,
-            "num_classes": 10,
-            "image_size": None,
-            "train_image_size": None,
-            "seed": 0,
-            "data_dir": None,
-            "dataset": None,
-            "steps": 2,
-            "train_batch_size": 8,
-        }
+        o = _evaluator_options(model)
         evaluator = build_evaluator(o, "h100-sxm")
         assert evaluator.data.name == expected and o["dataset"] == expected
 
@@ -188,17 +193,7 @@ def test_build_evaluator_gives_a_factory_that_needs_it_an_image_size(
     built without one, for the cost shape)."""
     from autoprec.cli._setup import build_evaluator
 
-    o = {
-        "model_name": f"{user_module}:small",
-        "num_classes": 10,
-        "image_size": image_size,
-        "train_image_size": None,
-        "seed": 0,
-        "data_dir": None,
-        "dataset": None,
-        "steps": 2,
-        "train_batch_size": 8,
-    }
+    o = _evaluator_options(f"{user_module}:small", image_size)
     evaluator = build_evaluator(o, "h100-sxm")
     assert tuple(evaluator.spec.input_shape) == (3, built, built)
 
