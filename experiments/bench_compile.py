@@ -63,7 +63,7 @@ class Args:
 
 def command(name: str, model: str, budget: int) -> list[str]:
     cmd = [sys.executable, "-m", "autoprec", name, "--model", model]
-    if model == VIT:  # a user factory: analyze offers it 32x32 by itself, search must be told
+    if model == VIT:  # a user factory: at 32x32, said (what both commands offer it by now)
         cmd += ["--image-size", "32"]
     return cmd + ["--budget", str(budget)] if name == "search" else cmd
 
