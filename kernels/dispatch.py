@@ -15,7 +15,8 @@ seconds with an empty one (a new user's first run), so :class:`Kernel` decides p
   twice the better of the two choices in hindsight): a kernel runs eagerly, its eager time
   summed per device, until that sum reaches the expected compile time (``AUTOPREC_COMPILE_
   PAYBACK`` seconds, default 2; after the first build in the process, the longest build seen).
-  A short run never compiles; a long one compiles early.
+  A short run never compiles; a long one compiles early. A process known to run long (a
+  worker of the evaluator's pool, :func:`expect_long_run`) builds at the first call.
 - **A bound per process**: no new build starts once builds have taken ``AUTOPREC_COMPILE_BUDGET``
   seconds (default 60); kernels not built by then stay eager.
 - **No per-call dynamo overhead**: once built, the graph's compiled code is called directly
@@ -49,7 +50,13 @@ import torch.utils._pytree as pytree
 
 from autoprec.defaults import compile_setting, env_seconds
 
-__all__ = ["Kernel", "KernelStats", "compile_budget_spent", "outside_function_modes"]
+__all__ = [
+    "Kernel",
+    "KernelStats",
+    "compile_budget_spent",
+    "expect_long_run",
+    "outside_function_modes",
+]
 
 DEFAULT_PAYBACK_S = 2.0
 DEFAULT_BUDGET_S = 60.0
@@ -63,6 +70,7 @@ class _Process:
     spent_s: float = 0.0
     longest_s: float = 0.0
     broken: bool = False
+    long_running: bool = False  # every kernel called will pay for its build (expect_long_run)
 
 
 _PROCESS = _Process()
@@ -89,6 +97,14 @@ def outside_function_modes() -> Iterator[None]:
 def compile_budget_spent() -> float:
     """Seconds this process has spent building compiled kernels."""
     return _PROCESS.spent_s
+
+
+def expect_long_run() -> None:
+    """Mark this process as one whose every rounding kernel will run long enough to pay for
+    its build (a worker that runs whole fine-tunes): kernels then build at their first call,
+    without the eager calls the ski-rental rule would make first, still within the
+    per-process bound and unless ``AUTOPREC_COMPILE=0``. Same bits either way."""
+    _PROCESS.long_running = True
 
 
 @dataclass
@@ -287,6 +303,8 @@ class Kernel:
             return False
         if _PROCESS.spent_s >= env_seconds("AUTOPREC_COMPILE_BUDGET", DEFAULT_BUDGET_S):
             return False
+        if _PROCESS.long_running:
+            return True
         expected = _PROCESS.longest_s or env_seconds("AUTOPREC_COMPILE_PAYBACK", DEFAULT_PAYBACK_S)
         return stats.eager_s >= expected
 

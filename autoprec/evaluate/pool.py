@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from autoprec.evaluate.finetune import FineTuneRun
+from autoprec.kernels.dispatch import expect_long_run
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,9 @@ def _start_worker(payload: bytes, threads: int) -> None:
     """A worker's initializer: its threads, no Ctrl-C (the pool's owner stops it), its parts."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(threads)
+    # a worker runs whole fine-tunes: its rounding kernels pay for compiling at once, and it
+    # cannot reuse the owner's builds (inductor keys them on the thread count)
+    expect_long_run()
     warm, tuner, mode = pickle.loads(payload)
     _WORKER.update(warm=warm, tuner=tuner, mode=mode)
 

@@ -79,6 +79,29 @@ def test_compiles_once_eager_has_cost_as_much(fresh, monkeypatch):
     assert stats.compiled_calls == 2
 
 
+def test_a_long_running_process_builds_at_the_first_call(fresh, monkeypatch):
+    """A pool worker (expect_long_run) builds every kernel at its first call, where the
+    ski-rental rule would first run it eagerly; still within the bound, and never when
+    AUTOPREC_COMPILE=0."""
+    x = torch.randn(4096)
+    want = quantize(x, "fp16", backend="eager")
+    assert_same_bits(quantize(x, "fp16"), want, x)
+    assert fresh.stats["cpu"].graph is None  # the default: eager first (2 s of it)
+    fresh.reset()
+    dispatch.expect_long_run()
+    monkeypatch.setenv("AUTOPREC_COMPILE", "0")
+    assert_same_bits(quantize(x, "fp16"), want, x)
+    assert fresh.stats["cpu"].graph is None
+    monkeypatch.delenv("AUTOPREC_COMPILE")
+    dispatch._PROCESS.spent_s = 1e9  # the bound holds too
+    assert_same_bits(quantize(x, "fp16"), want, x)
+    assert fresh.stats["cpu"].graph is None
+    dispatch._PROCESS.spent_s = 0.0
+    assert_same_bits(quantize(x, "fp16"), want, x)
+    stats = fresh.stats["cpu"]
+    assert stats.graph is not None and stats.compiled_calls == 1
+
+
 def test_spent_budget_keeps_kernels_eager(fresh, monkeypatch):
     monkeypatch.setenv("AUTOPREC_COMPILE_PAYBACK", "0")
     monkeypatch.setenv("AUTOPREC_COMPILE_BUDGET", "1")
