@@ -163,7 +163,13 @@ def _capturing(captured: list) -> Callable:
     def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         from torch._inductor.compile_fx import compile_fx
 
-        compiled = compile_fx(gm, example_inputs)
+        # a cast to a narrower dtype and back is a rounding, not a no-op (quantize's bf16/fp16);
+        # the graph serves every length, so its loop is parallel whatever the build's length
+        # (inductor would keep a loop serial for good when the first input was short)
+        with torch._inductor.config.patch(
+            {"emulate_precision_casts": True, "cpp.min_chunk_size": 1}
+        ):
+            compiled = compile_fx(gm, example_inputs)
         sources = []
         for node in gm.graph.nodes:
             if node.op == "placeholder":

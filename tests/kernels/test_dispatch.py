@@ -18,10 +18,13 @@ QUANTIZE = importlib.import_module("autoprec.kernels.quantize")  # the module, n
 @pytest.fixture
 def fresh(monkeypatch):
     """No graph built yet, no compile time spent, no AUTOPREC_COMPILE override; returns the
-    (new) kernel that rounds fp16 to nearest (bf16 and tf32 have their own, ``QUANTIZE._WIDE``)."""
+    (new) kernel that rounds fp8 to nearest (tf32 has its own, ``QUANTIZE._WIDE``, and bf16 and
+    fp16 one each through torch's cast, ``QUANTIZE._CASTS``)."""
     monkeypatch.delenv("AUTOPREC_COMPILE", raising=False)
     monkeypatch.setattr(dispatch, "_PROCESS", dispatch._Process())
     monkeypatch.setattr(QUANTIZE, "_WIDE", dispatch.Kernel("test_wide", QUANTIZE._WIDE.fn))
+    casts = {name: dispatch.Kernel(f"test_{name}", k.fn) for name, k in QUANTIZE._CASTS.items()}
+    monkeypatch.setattr(QUANTIZE, "_CASTS", casts)
     kernel = dispatch.Kernel("test_nearest", QUANTIZE._NEAREST.fn)
     monkeypatch.setattr(QUANTIZE, "_NEAREST", kernel)
     return kernel
@@ -29,7 +32,7 @@ def fresh(monkeypatch):
 
 @pytest.mark.parametrize(
     ("formats", "kernel"),
-    [(("fp16", "fp8_e4m3", "fp8_e5m2"), "_NEAREST"), (("bf16", "tf32"), "_WIDE")],
+    [(("fp8_e4m3", "fp8_e5m2"), "_NEAREST"), (("tf32",), "_WIDE"), (("bf16",), "bf16")],
 )
 def test_one_graph_for_every_shape_and_format(fresh, monkeypatch, formats, kernel):
     monkeypatch.setenv("AUTOPREC_COMPILE", "1")
@@ -39,7 +42,8 @@ def test_one_graph_for_every_shape_and_format(fresh, monkeypatch, formats, kerne
         for x in (big, big[:77], big[3:].view(-1, 19), big.view(50, 100).t()):
             want = quantize(x, fmt, backend="eager")
             assert_same_bits(quantize(x, fmt), want, x)
-    stats = getattr(QUANTIZE, kernel).stats["cpu"]
+    stats = QUANTIZE._CASTS[kernel] if kernel in QUANTIZE._CASTS else getattr(QUANTIZE, kernel)
+    stats = stats.stats["cpu"]
     assert counters["stats"]["unique_graphs"] == 1
     assert stats.eager_calls == stats.fallback_calls == 0
     assert stats.compiled_calls == 4 * len(formats)
@@ -55,10 +59,10 @@ def test_graph_runs_inside_a_torch_function_mode(fresh, monkeypatch):
     """The runtime rounds inside its WeightUseMode; dynamo guards on the mode stack."""
     monkeypatch.setenv("AUTOPREC_COMPILE", "1")
     x = torch.randn(1000)
-    quantize(x, "fp16")
+    quantize(x, "fp8_e5m2")
     counters.clear()
     with _PassThrough():
-        assert_same_bits(quantize(x, "fp16"), quantize(x, "fp16", backend="eager"), x)
+        assert_same_bits(quantize(x, "fp8_e5m2"), quantize(x, "fp8_e5m2", backend="eager"), x)
     assert counters["stats"]["unique_graphs"] == 0  # nothing new was compiled
     assert fresh.stats["cpu"].fallback_calls == 0  # and the graph ran
 
@@ -66,16 +70,16 @@ def test_graph_runs_inside_a_torch_function_mode(fresh, monkeypatch):
 def test_compiles_once_eager_has_cost_as_much(fresh, monkeypatch):
     monkeypatch.setenv("AUTOPREC_COMPILE_PAYBACK", "0.05")
     x = torch.randn(20000)
-    want = quantize(x, "fp16", backend="eager")
+    want = quantize(x, "fp8_e5m2", backend="eager")
     calls = 0
     while fresh.stats.get("cpu") is None or fresh.stats["cpu"].graph is None:
-        assert_same_bits(quantize(x, "fp16"), want, x)
+        assert_same_bits(quantize(x, "fp8_e5m2"), want, x)
         calls += 1
         assert calls < 10_000
     stats = fresh.stats["cpu"]
     assert stats.eager_s >= 0.05 and stats.eager_calls == calls - 1
     assert stats.build_s is not None and dispatch.compile_budget_spent() == stats.build_s
-    assert_same_bits(quantize(x, "fp16"), want, x)
+    assert_same_bits(quantize(x, "fp8_e5m2"), want, x)
     assert stats.compiled_calls == 2
 
 
@@ -84,20 +88,20 @@ def test_a_long_running_process_builds_at_the_first_call(fresh, monkeypatch):
     ski-rental rule would first run it eagerly; still within the bound, and never when
     AUTOPREC_COMPILE=0."""
     x = torch.randn(4096)
-    want = quantize(x, "fp16", backend="eager")
-    assert_same_bits(quantize(x, "fp16"), want, x)
+    want = quantize(x, "fp8_e5m2", backend="eager")
+    assert_same_bits(quantize(x, "fp8_e5m2"), want, x)
     assert fresh.stats["cpu"].graph is None  # the default: eager first (2 s of it)
     fresh.reset()
     dispatch.expect_long_run()
     monkeypatch.setenv("AUTOPREC_COMPILE", "0")
-    assert_same_bits(quantize(x, "fp16"), want, x)
+    assert_same_bits(quantize(x, "fp8_e5m2"), want, x)
     assert fresh.stats["cpu"].graph is None
     monkeypatch.delenv("AUTOPREC_COMPILE")
     dispatch._PROCESS.spent_s = 1e9  # the bound holds too
-    assert_same_bits(quantize(x, "fp16"), want, x)
+    assert_same_bits(quantize(x, "fp8_e5m2"), want, x)
     assert fresh.stats["cpu"].graph is None
     dispatch._PROCESS.spent_s = 0.0
-    assert_same_bits(quantize(x, "fp16"), want, x)
+    assert_same_bits(quantize(x, "fp8_e5m2"), want, x)
     stats = fresh.stats["cpu"]
     assert stats.graph is not None and stats.compiled_calls == 1
 
@@ -108,8 +112,8 @@ def test_spent_budget_keeps_kernels_eager(fresh, monkeypatch):
     dispatch._PROCESS.spent_s = 1.0  # as if other kernels had taken the whole budget
     x = torch.randn(4096)
     for _ in range(3):
-        got, over, under = quantize_with_counts(x, "fp16")
-        want = quantize_with_counts(x, "fp16", backend="eager")
+        got, over, under = quantize_with_counts(x, "fp8_e5m2")
+        want = quantize_with_counts(x, "fp8_e5m2", backend="eager")
         assert_same_bits(got, want[0], x)
         assert (over, under) == (want[1], want[2])
     assert fresh.stats["cpu"].graph is None and fresh.stats["cpu"].eager_calls == 3
@@ -119,16 +123,16 @@ def test_compile_switch(fresh, monkeypatch):
     x = torch.randn(100)
     monkeypatch.setenv("AUTOPREC_COMPILE", "0")
     monkeypatch.setenv("AUTOPREC_COMPILE_PAYBACK", "0")
-    quantize(x, "fp16")
+    quantize(x, "fp8_e5m2")
     assert fresh.stats["cpu"].graph is None
     monkeypatch.setenv("AUTOPREC_COMPILE", "1")
-    quantize(x, "fp16")
+    quantize(x, "fp8_e5m2")
     assert fresh.stats["cpu"].graph is not None
     monkeypatch.setenv("AUTOPREC_COMPILE_BUDGET", "soon")
     monkeypatch.delenv("AUTOPREC_COMPILE")
     fresh.reset()
     with pytest.raises(ValueError, match="AUTOPREC_COMPILE_BUDGET"):
-        quantize(x, "fp16")
+        quantize(x, "fp8_e5m2")
 
 
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
@@ -171,7 +175,7 @@ def test_direct_call_gives_the_bits_and_counts_of_both_other_paths(fresh, monkey
         want, want_over, want_under = quantize_with_counts(x[:n], fmt, backend="eager")
         assert_same_bits(got, want, x[:n])
         assert (int(over), int(under)) == (int(want_over), int(want_under))
-    kernel = QUANTIZE._WIDE if fmt in ("bf16", "tf32") else fresh
+    kernel = {"tf32": QUANTIZE._WIDE, **QUANTIZE._CASTS}.get(fmt, fresh)
     stats = kernel.stats["cpu"]
     assert stats.direct is not None and stats.compiled_calls == 3 and stats.fallback_calls == 0
 
@@ -181,11 +185,11 @@ def test_direct_call_only_for_inputs_like_the_build(fresh, monkeypatch):
     through dynamo, whose guards run it eagerly: the same bits, never a wrong kernel."""
     monkeypatch.setenv("AUTOPREC_COMPILE", "1")
     x = _edge_values()
-    want = quantize(x, "fp16", backend="eager")
-    assert_same_bits(quantize(x, "fp16"), want, x)
+    want = quantize(x, "fp8_e5m2", backend="eager")
+    assert_same_bits(quantize(x, "fp8_e5m2"), want, x)
     stats = fresh.stats["cpu"]
     direct = stats.direct
-    args = (x, *QUANTIZE.constant_tensors(QUANTIZE.get_format("fp16"), False, x.device))
+    args = (x, *QUANTIZE.constant_tensors(QUANTIZE.get_format("fp8_e5m2"), False, x.device))
     assert direct.accepts(args)
     assert not direct.accepts((x.double(), *args[1:]))
     assert not direct.accepts((x[::2], *args[1:]))  # a strided flat
@@ -193,7 +197,7 @@ def test_direct_call_only_for_inputs_like_the_build(fresh, monkeypatch):
     torch.set_num_threads(threads + 1)
     try:
         assert not direct.accepts(args)
-        assert_same_bits(quantize(x, "fp16"), want, x)
+        assert_same_bits(quantize(x, "fp8_e5m2"), want, x)
     finally:
         torch.set_num_threads(threads)
     assert stats.compiled_calls == 1 and stats.fallback_calls == 1
