@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from .dispatch import Kernel
-from .formats import Format, get_format
+from .formats import FORMATS, Format, get_format
 from .quantize import (
     GRAPH_MAX_NUMEL,
     check_rounding,
@@ -276,7 +276,32 @@ def _round_trip_graph(
     return data * scale.reciprocal(), counts
 
 
+def _cast_round_trip_graph(fmt: Format) -> Kernel:
+    """:func:`_round_trip_graph` for a format with a torch dtype, through torch's saturated
+    cast (the clamp keeps it in range, where the cast rounds to nearest even): the same bits
+    and counts without the int32 view of the floats, which inductor's CPU code reads one
+    element at a time; a graph per format, as the dtype is part of it."""
+    limit, threshold = fmt.max_finite, fmt.overflow_threshold
+
+    def graph(flat: Tensor) -> tuple[Tensor, Tensor]:
+        amax = flat.abs().amax()
+        scale = _scale_of(amax, limit)
+        scaled = flat * scale
+        data = torch.clamp(scaled, -limit, limit).to(fmt.torch_dtype).to(torch.float32)
+        lost = ~(flat.abs() < float("inf")) | (scaled.abs() >= threshold)  # inf, NaN, past max
+        flushed = (data == 0) & (flat != 0)
+        counts = torch.stack((lost.sum(dtype=torch.int32), flushed.sum(dtype=torch.int32)))
+        return data * scale.reciprocal(), counts
+
+    return Kernel(f"scaled_round_trip_{fmt.name}", graph)
+
+
 _ROUND_TRIP = Kernel("scaled_round_trip", _round_trip_graph)
+_CAST_ROUND_TRIPS = {
+    name: _cast_round_trip_graph(fmt)
+    for name, fmt in FORMATS.items()
+    if fmt.torch_dtype is not None and name != "fp32"
+}
 _limits: dict[tuple, tuple[Tensor, Format]] = {}
 
 
@@ -390,10 +415,13 @@ class DynamicScaledCast(_Counts):
             wide = torch.float32 if x32.device.type == "mps" else torch.float64  # as _scale_of
             limits = [self.fmt.max_finite, self.fmt.overflow_threshold]
             _limits[key] = (torch.tensor(limits, dtype=wide, device=x32.device), self.fmt)
-        constants = (*constant_tensors(self.fmt, True, x32.device), _limits[key][0])
-        out, counts = _ROUND_TRIP.run(
-            (x32.reshape(-1),), constants, lambda: (self(x32).dequantize(), None), backend
-        )
+        eager = lambda: (self(x32).dequantize(), None)  # noqa: E731
+        cast = _CAST_ROUND_TRIPS.get(self.fmt.name)
+        if cast is not None:
+            out, counts = cast.run((x32.reshape(-1),), (), eager, backend)
+        else:
+            constants = (*constant_tensors(self.fmt, True, x32.device), _limits[key][0])
+            out, counts = _ROUND_TRIP.run((x32.reshape(-1),), constants, eager, backend)
         if counts is not None:  # the eager path counted already
             self._numel += x32.numel()
             if self.count:  # one small operation a call: the pair, summed in place

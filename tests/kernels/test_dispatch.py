@@ -135,10 +135,22 @@ def test_compile_switch(fresh, monkeypatch):
         quantize(x, "fp8_e5m2")
 
 
+def _grid_and_midpoints(fmt: str) -> torch.Tensor:
+    """Every finite value of an 8-bit format and every midpoint between neighbours (ties),
+    with the format's largest value first, so that the tensor's scale is exactly 1."""
+    f = QUANTIZE.get_format(fmt)
+    grid = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(f.torch_dtype).float()
+    grid = grid[torch.isfinite(grid)].unique()
+    mids = (grid[1:] + grid[:-1]) / 2  # exact in fp32
+    return torch.cat([torch.tensor([f.max_finite]), grid, mids, -mids])
+
+
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
 def test_scaled_round_trip_is_the_two_step_cast(fmt, backend):
     specials = torch.tensor([0.0, -0.0, 1e-30, -3e-7, 2.0**-130])
     cases = [
+        _grid_and_midpoints(fmt),
+        torch.randn(200_000) * torch.logspace(-20, 20, 200_000),
         torch.cat([torch.randn(3000) * 1000, specials]),
         torch.randn(40, 25) * 1e-6,
         torch.zeros(64),
