@@ -29,6 +29,7 @@ import numpy as np
 from benchlib import invocation, parse_args, provenance, timed, write_section
 from scipy.stats import spearmanr
 
+from autoprec.agents.base import layer_choices
 from autoprec.data import load_dataset_for
 from autoprec.defaults import DEFAULT_DATASET
 from autoprec.evaluate import Evaluator, EvaluatorConfig
@@ -54,6 +55,14 @@ class Args:
         metadata={"help": "worker processes of the random-policy evaluations (0: this one)"},
     )
     target: str = "h100-sxm"
+    space: str = field(
+        default="runnable",
+        metadata={
+            "help": "random policies over the precisions each layer runs at on the target (the "
+            "search's action masks: no fp8 convolution), or 'all' five on every layer (runs "
+            "before 2026-12-03 did, when fp8 on a convolution was still emulated as fp8)"
+        },
+    )
     cache_root: str | None = field(
         default=None,
         metadata={
@@ -84,10 +93,20 @@ def setup(name: str, dataset: str, root: str | None = None):
     return spec, data, cache
 
 
-def random_policies(spec, n: int, seed: int) -> list[dict[str, str]]:
+def random_policies(choices: dict[str, list[str]], n: int, seed: int) -> list[dict[str, str]]:
+    """``n`` policies, each layer's precision uniform over its ``choices``."""
     rng = np.random.default_rng(seed)
+    return [{layer: str(rng.choice(c)) for layer, c in choices.items()} for _ in range(n)]
+
+
+def layer_space(spec, evaluator: Evaluator, space: str) -> dict[str, list[str]]:
+    """Each tunable layer's precisions: all five, or those it runs at on the target."""
     layers = [name for name, _ in tunable_layers(spec.module)]
-    return [{layer: str(rng.choice(PRECISIONS)) for layer in layers} for _ in range(n)]
+    if space == "all":
+        return {layer: list(PRECISIONS) for layer in layers}
+    if space != "runnable":
+        raise SystemExit(f"--space must be runnable or all, got {space!r}")
+    return layer_choices(evaluator, layers, PRECISIONS)
 
 
 def rho(a, b) -> float:
@@ -134,8 +153,9 @@ def main() -> None:
             )
             print(noise_rows[-1], flush=True)
 
-            train = random_policies(spec, args.policies, seed=1)
-            test = random_policies(spec, args.policies, seed=2)
+            choices = layer_space(spec, evaluators[0], args.space)
+            train = random_policies(choices, args.policies, seed=1)
+            test = random_policies(choices, args.policies, seed=2)
             for steps in args.steps:
                 ev = Evaluator(spec, data, target=args.target, steps=steps, cache_dir=cache)
                 ev.reference()
@@ -207,7 +227,14 @@ def main() -> None:
             "|---|---|---:|---:|---:|---:|---:|---:|---:|",
             *noise_rows,
             "",
-            "Random policies (each layer's precision uniform over fp32, tf32, bf16, fp16, fp8), "
+            "Random policies (each layer's precision uniform over "
+            + (
+                "fp32, tf32, bf16, fp16, fp8"
+                if args.space == "all"
+                else "the precisions it runs at on the target, the search's action masks: "
+                "fp32, tf32, bf16, fp16 for a convolution, fp8 too for a Linear torchao takes"
+            )
+            + "), "
             "at `short` with the given steps: the spread (sd) of their loss deltas; "
             "repeatability, the Spearman correlation of their loss deltas on two batch orders "
             "from one warm start; and the surrogate's Spearman correlation with the measured "
