@@ -193,13 +193,19 @@ def _stochastic_graph(flat: Tensor, rnd: Tensor, ints: Tensor, floats: Tensor) -
     return with_sign(flat, round_bits(flat, rnd, unpack_constants(ints, floats)))
 
 
+def _cast_values(x32: Tensor, fmt: Format) -> tuple[Tensor, Tensor]:
+    """``(rounded, cast)``: ``x32`` through torch's cast to ``fmt``'s dtype and back, NaN kept
+    with its payload in ``rounded``."""
+    cast = x32.to(fmt.torch_dtype).to(torch.float32)
+    return torch.where(x32 != x32, x32, cast), cast  # x32 != x32: a vector compare compiled
+
+
 def _cast_round(x32: Tensor, fmt: Format, count_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """Round to nearest through torch's own cast to ``fmt``'s dtype (:data:`CAST_FORMATS`):
     the same bits as :func:`round_bits` (NaN keeps its payload here too) and counts as
     :func:`_counts`, without the int32 view, which inductor's CPU code does element by element.
     Compiled, the cast is kept by ``emulate_precision_casts`` (:mod:`.dispatch`)."""
-    cast = x32.to(fmt.torch_dtype).to(torch.float32)
-    out = torch.where(x32 != x32, x32, cast)  # NaN: x32 != x32, a vector compare compiled
+    out, cast = _cast_values(x32, fmt)
     overflows = (~(x32.abs() <= fmt.max_finite)).sum(dtype=count_dtype)  # NaN counts, as inf
     underflows = ((cast == 0) & (x32 != 0)).sum(dtype=count_dtype)
     return out, torch.stack((overflows, underflows))
@@ -358,8 +364,7 @@ def _cast_nearest(
     def eager() -> tuple[Tensor, Tensor | None]:
         if count:
             return _cast_round(x32, fmt, torch.int64)
-        cast = x32.to(fmt.torch_dtype).to(torch.float32)
-        return torch.where(x32 != x32, x32, cast), None
+        return _cast_values(x32, fmt)[0], None
 
     if x32.numel() > GRAPH_MAX_NUMEL:
         return eager()

@@ -395,6 +395,15 @@ class DynamicScaledCast(_Counts):
         self._numel += x32.numel()
         return ScaledTensor(data, scale)
 
+    def _limits(self, device: torch.device) -> Tensor:
+        """(max_finite, overflow threshold) as :func:`_round_trip_graph` takes them."""
+        key = (id(self.fmt), device)  # Format's dataclass hash is slow; fmt is kept below
+        if key not in _limits:
+            wide = torch.float32 if device.type == "mps" else torch.float64  # as _scale_of
+            limits = [self.fmt.max_finite, self.fmt.overflow_threshold]
+            _limits[key] = (torch.tensor(limits, dtype=wide, device=device), self.fmt)
+        return _limits[key][0]
+
     def round_trip(self, x: Tensor, *, backend: str = "auto") -> Tensor:
         """``self(x).dequantize()``, counted the same way: the values the fp8 GEMM multiplies.
 
@@ -410,17 +419,12 @@ class DynamicScaledCast(_Counts):
         ):
             return self(x).dequantize()
         x32 = x.detach().float()
-        key = (id(self.fmt), x32.device)  # Format's dataclass hash is slow; fmt is kept below
-        if key not in _limits:
-            wide = torch.float32 if x32.device.type == "mps" else torch.float64  # as _scale_of
-            limits = [self.fmt.max_finite, self.fmt.overflow_threshold]
-            _limits[key] = (torch.tensor(limits, dtype=wide, device=x32.device), self.fmt)
         eager = lambda: (self(x32).dequantize(), None)  # noqa: E731
         cast = _CAST_ROUND_TRIPS.get(self.fmt.name)
         if cast is not None:
             out, counts = cast.run((x32.reshape(-1),), (), eager, backend)
         else:
-            constants = (*constant_tensors(self.fmt, True, x32.device), _limits[key][0])
+            constants = (*constant_tensors(self.fmt, True, x32.device), self._limits(x32.device))
             out, counts = _ROUND_TRIP.run((x32.reshape(-1),), constants, eager, backend)
         if counts is not None:  # the eager path counted already
             self._numel += x32.numel()

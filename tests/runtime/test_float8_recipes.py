@@ -5,6 +5,7 @@ runs on this CPU (``torch._scaled_mm``). torchao is the oracle, bit for bit."""
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -38,6 +39,7 @@ def _step(model: nn.Module, x: torch.Tensor, g: torch.Tensor) -> list[torch.Tens
     return [out.detach(), x.grad, *(p.grad.clone() for p in model.parameters())]
 
 
+@functools.cache
 def _scaled_mm_is_an_fp32_gemm() -> bool:
     """Whether this CPU's ``torch._scaled_mm`` is the fp32 GEMM of the dequantized operands
     (torch's fallback) rather than oneDNN's fp8 kernel, which torch takes on CPUs with
