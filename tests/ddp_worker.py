@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 
@@ -41,5 +42,9 @@ def train(rank: int, world: int, init_file: str, out_dir: str) -> None:
         "state_keys": list(model.state_dict()),
     }
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    # DDP's reducer holds the group and gloo's last work: freed now, while the interpreter is
+    # whole, not at its exit, where gloo's threads can abort the process (SIGABRT seen in CI)
+    del ddp, opt, loss
+    gc.collect()
     dist.barrier()  # neither rank tears the group (and its file store) down under the other
     dist.destroy_process_group()
