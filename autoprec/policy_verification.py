@@ -7,14 +7,16 @@ date and the autoprec version (the whole layout, as written: tests/policy/test_p
 
 ``loss`` is the final training loss, ``accuracy`` the validation accuracy, each as mean and
 sample standard deviation over the seeds; the deltas are the policy's to fp32 (the loss delta
-relative, as the evaluator's). Every check raises :class:`PolicyError` with the field path.
+relative, as the evaluator's). An arm whose training diverged in some seeds also has
+``diverged``, the number of those seeds (their runs enter the statistics penalised; see
+:mod:`autoprec.verify`). Every check raises :class:`PolicyError` with the field path.
 """
 
 from __future__ import annotations
 
 import datetime
 from collections.abc import Mapping
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from autoprec.policy_fields import PolicyError, check_section, finite, kind, unknown_key, yaml_hint
@@ -22,6 +24,7 @@ from autoprec.policy_fields import PolicyError, check_section, finite, kind, unk
 VERDICTS = ("within", "outside")
 SECTION = "verification"
 ARM_STATS = ("loss_mean", "loss_sd", "accuracy_mean", "accuracy_sd")
+ARM_COUNTS = ("diverged",)  # optional, written only when not 0
 
 
 def _bad(name: str, expected: str, value: object, path: tuple[Any, ...] = ()) -> PolicyError:
@@ -38,13 +41,15 @@ def _count(value: object) -> bool:
 
 @dataclass(frozen=True)
 class ArmSummary:
-    """One arm's final training loss and validation accuracy over the seeds (mean, sd)."""
+    """One arm's final training loss and validation accuracy over the seeds (mean, sd), and
+    the number of seeds whose training diverged."""
 
     name: str
     loss_mean: float
     loss_sd: float
     accuracy_mean: float
     accuracy_sd: float
+    diverged: int = field(default=0, kw_only=True)
 
     def __post_init__(self) -> None:
         path = ("arms", self.name)
@@ -53,9 +58,13 @@ class ArmSummary:
             if not finite(value) or (stat.endswith("_sd") and value < 0):
                 raise _bad(stat, "a finite number" + (" >= 0" * stat.endswith("_sd")), value, path)
             object.__setattr__(self, stat, float(value))
+        d = self.diverged
+        if not (isinstance(d, int) and not isinstance(d, bool) and d >= 0):
+            raise _bad("diverged", "an integer >= 0", d, path)
 
     def to_dict(self) -> dict[str, float]:
-        return {stat: getattr(self, stat) for stat in ARM_STATS}
+        out: dict[str, float] = {stat: getattr(self, stat) for stat in ARM_STATS}
+        return out | ({"diverged": self.diverged} if self.diverged else {})
 
 
 @dataclass(frozen=True, kw_only=True)  # fields in the file's order, defaults among them
@@ -69,7 +78,8 @@ class VerificationInfo:
         accuracy_delta: the policy's mean validation accuracy minus fp32's.
         tolerance: the largest loss delta that counts as within.
         arms: per arm (``policy``, ``fp32``, ``amp``, ...) its :class:`ArmSummary`; a mapping
-            ``{name: {loss_mean, loss_sd, accuracy_mean, accuracy_sd}}`` is accepted.
+            ``{name: {loss_mean, loss_sd, accuracy_mean, accuracy_sd}}`` (and ``diverged``, the
+            seeds whose training diverged, where not 0) is accepted.
         seeds: the seeds every arm was trained with.
         batch_size, lr, momentum: the training settings.
         date: when it was measured (ISO 8601).
@@ -117,6 +127,14 @@ class VerificationInfo:
         if not seeds or any(isinstance(s, bool) or not isinstance(s, int) for s in seeds):
             raise _bad("seeds", "a non-empty list of integers, e.g. [0, 1, 2]", seeds)
         put(self, "seeds", tuple(seeds))
+        for arm in self.arms:
+            if arm.diverged > len(seeds):
+                raise _bad(
+                    "diverged",
+                    f"at most the number of seeds ({len(seeds)})",
+                    arm.diverged,
+                    ("arms", arm.name),
+                )
         if (self.steps is None) == (self.epochs is None):
             raise PolicyError(
                 f"{SECTION} needs exactly one of 'steps' and 'epochs' (the training length); "
@@ -153,8 +171,8 @@ class VerificationInfo:
             if not isinstance(stats, Mapping):
                 raise _bad(name, f"a mapping of {', '.join(ARM_STATS)}", stats, ("arms",))
             for key in stats:
-                if key not in ARM_STATS:
-                    raise unknown_key(key, ARM_STATS, f"{SECTION}.arms.{name}", path)
+                if key not in ARM_STATS + ARM_COUNTS:
+                    raise unknown_key(key, ARM_STATS + ARM_COUNTS, f"{SECTION}.arms.{name}", path)
             missing = [s for s in ARM_STATS if s not in stats]
             if missing:
                 raise PolicyError(

@@ -86,7 +86,15 @@ NONFINITE_STEPS = 20
 
 
 class TrainDivergedError(ValueError):
-    """The loss became inf/NaN with no loss scaler to skip the step, or stayed so."""
+    """The loss became inf/NaN with no loss scaler to skip the step, or stayed so.
+
+    Attributes:
+        step: the optimizer step at which training stopped (None where not known).
+    """
+
+    def __init__(self, message: str, step: int | None = None) -> None:
+        super().__init__(message)
+        self.step = step
 
 
 class TrainInterrupted(KeyboardInterrupt):
@@ -316,14 +324,16 @@ def train(
                     raise TrainDivergedError(
                         f"training diverged at step {step} (loss {loss}) without loss scaling; "
                         "lower the learning rate, or give the policy a loss_scaling section so "
-                        "that steps with inf/NaN gradients are skipped" + kept
+                        "that steps with inf/NaN gradients are skipped" + kept,
+                        step,
                     )
                 if nonfinite >= NONFINITE_STEPS:  # every one skipped: nothing trains any more
                     raise TrainDivergedError(
                         f"training diverged: the loss was inf/NaN in {nonfinite} steps in a row "
                         f"(steps {step - nonfinite + 1}-{step}), each skipped by the loss "
                         "scaler; the forward pass overflows, which loss scaling cannot fix: "
-                        "keep the overflowing layers at a wider precision" + kept
+                        "keep the overflowing layers at a wider precision" + kept,
+                        step,
                     )
                 loop.emit(
                     step,

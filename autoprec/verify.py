@@ -14,6 +14,14 @@ The final training loss of a run is the mean of its last :data:`FINAL_WINDOW` of
 least one step): one minibatch's loss is too noisy to compare, and the batches are the same in
 every arm, so the window compares like with like.
 
+A run of the policy or of a reference arm other than fp32 that diverges (its loss inf/NaN:
+:class:`~autoprec.train.TrainDivergedError`) is a result, not an error: it is penalised as the
+evaluator penalises a diverged fine-tune (:mod:`autoprec.evaluate.scoring`: final and
+validation loss at ``1 +`` :data:`~autoprec.evaluate.scoring.PENALTY_LOSS_DELTA` times that
+seed's fp32 run, accuracy 0), its arm counts the seeds that diverged, and a policy that diverged
+in any seed is outside the tolerance. fp32 diverging is an error: there is nothing to compare
+with.
+
 Example:
     >>> from autoprec.policy import PrecisionPolicy
     >>> config = VerifyConfig(steps=20, seeds=(0, 1), dataset="digits")
@@ -49,6 +57,7 @@ __all__ = [
     "VerifyError",
     "VerifyResult",
     "arm_policy",
+    "penalised_run",
     "run_arm",
     "verify",
 ]
@@ -147,6 +156,7 @@ class RunResult:
     skipped_steps: int = 0
     overflows: int = 0
     wall_time_s: float = 0.0
+    diverged: str | None = None  # why training stopped (penalised run), None: it finished
 
 
 @dataclass(frozen=True)
@@ -161,7 +171,9 @@ class ArmResult(ArmSummary):
     def of(cls, arm: str, policy: PrecisionPolicy, runs: Sequence[RunResult]) -> ArmResult:
         losses = [r.final_loss for r in runs]
         accuracies = [r.val_accuracy for r in runs]
-        return cls(arm, *_mean_sd(losses), *_mean_sd(accuracies), policy, tuple(runs))
+        diverged = sum(r.diverged is not None for r in runs)
+        stats = (*_mean_sd(losses), *_mean_sd(accuracies))
+        return cls(arm, *stats, policy, tuple(runs), diverged=diverged)
 
     @property
     def arm(self) -> str:
@@ -171,6 +183,11 @@ class ArmResult(ArmSummary):
     def summary(self) -> ArmSummary:
         """The arm as the policy file keeps it."""
         return ArmSummary(self.name, **self.to_dict())
+
+    @property
+    def diverged_runs(self) -> tuple[RunResult, ...]:
+        """The runs that diverged (penalised)."""
+        return tuple(r for r in self.runs if r.diverged is not None)
 
     @property
     def label(self) -> str:
@@ -267,12 +284,13 @@ def verify(
             weights every run starts from, instead of fresh ones.
         callback: told of every run's start, step and end.
 
-    Each seed trains fp32 first; an fp32 run whose final loss is not below its first step's is
-    an error (every delta would be to a model that did not learn).
+    Each seed trains fp32 first; an fp32 run whose final loss is not below its first step's, or
+    that diverges, is an error (every delta would be to a model that did not learn). Another
+    arm's run that diverges is penalised (see the module docstring).
 
     Raises:
         VerifyError: no target for the ``amp`` arm, an unreadable checkpoint, an fp32 run that
-            did not learn.
+            did not learn or diverged.
         PolicyMismatchError: the policy does not fit the model.
         ModelError, DatasetError, TrainConfigError: as :func:`autoprec.train.train`.
     """
@@ -302,7 +320,8 @@ def verify(
             _load(spec.module, initial, checkpoint)  # every arm starts from the same weights
             if callback is not None:
                 callback.run_started(arm, seed)
-            run = run_arm(spec, data, arm, arms[arm], seed, config, callback)
+            reference = None if arm == "fp32" else runs["fp32"][-1]
+            run = _run_or_fp32_error(spec, data, arm, arms[arm], seed, config, callback, reference)
             runs[arm].append(run)
             if callback is not None:
                 callback.run_finished(run)
@@ -321,11 +340,34 @@ def verify(
         config=config,
         arms=results,
         deltas=(loss_delta, mine.accuracy_mean - fp32.accuracy_mean),
-        within=math.isfinite(loss_delta) and loss_delta <= config.tolerance,
+        within=math.isfinite(loss_delta) and loss_delta <= config.tolerance and not mine.diverged,
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         wall_time_s=time.perf_counter() - start,
         checkpoint=None if checkpoint is None else str(checkpoint),
     )
+
+
+def _run_or_fp32_error(
+    spec: Any,
+    data: Any,
+    arm: str,
+    policy: PrecisionPolicy,
+    seed: int,
+    config: VerifyConfig,
+    callback: VerifyCallback | None,
+    reference: RunResult | None,
+) -> RunResult:
+    """:func:`run_arm`, penalised against ``reference`` (the seed's fp32 run) if it diverges;
+    fp32 itself (no reference) diverging is a :class:`VerifyError`."""
+    from autoprec.train import TrainDivergedError
+
+    try:
+        return run_arm(spec, data, arm, policy, seed, config, callback, penalise_against=reference)
+    except TrainDivergedError as err:
+        raise VerifyError(
+            f"fp32 diverged (seed {seed}, lr {config.lr:g}): {err}; a verdict needs an fp32 run "
+            "that learns: give a lower --lr"
+        ) from None
 
 
 def run_arm(
@@ -336,6 +378,8 @@ def run_arm(
     seed: int,
     config: VerifyConfig,
     callback: VerifyCallback | None = None,
+    *,
+    penalise_against: RunResult | None = None,
 ) -> RunResult:
     """One arm trained with one seed by :func:`autoprec.train.train`, as :func:`verify` does.
 
@@ -343,22 +387,37 @@ def run_arm(
     seed's initial weights first); the final loss is the mean of the last :data:`FINAL_WINDOW`
     of steps. experiments/full_training.py trains its ground truth through this.
 
+    Args:
+        penalise_against: the seed's fp32 run: a run that diverges is returned penalised
+            against it (:func:`penalised_run`) instead of raising.
+
     Raises:
-        TrainDivergedError, PolicyMismatchError, TrainConfigError: as
-            :func:`autoprec.train.train`.
+        TrainDivergedError: the run diverged and there is nothing to penalise it against.
+        PolicyMismatchError, TrainConfigError: as :func:`autoprec.train.train`.
     """
-    from autoprec.train import train
+    from autoprec.train import TrainDivergedError, train
 
     val_curve: list[tuple[int, float, float]] = []
+    curve: list[float] = []
+    started = time.perf_counter()
 
     def log(step: int, metrics: dict[str, float]) -> None:
+        if "train_loss" in metrics:
+            curve.append(metrics["train_loss"])
         if "val_loss" in metrics:
             val_curve.append((step, metrics["val_loss"], metrics["val_accuracy"]))
         if callback is not None:
             callback.log(arm, seed, step, metrics)
 
     settings = {k: getattr(config, k) for k in ("batch_size", "lr", "momentum", "device", "mode")}
-    done = train(spec, data, policy, **config.length, **settings, seed=seed, log=log)
+    try:
+        done = train(spec, data, policy, **config.length, **settings, seed=seed, log=log)
+    except TrainDivergedError as err:
+        if penalise_against is None:
+            raise
+        took = time.perf_counter() - started
+        steps = err.step if err.step is not None else len(curve)
+        return penalised_run(arm, seed, str(err), curve, penalise_against, steps, took)
     window = max(1, round(len(done.train_loss) * FINAL_WINDOW))
     return RunResult(
         arm=arm,
@@ -372,6 +431,36 @@ def run_arm(
         skipped_steps=done.skipped_steps,
         overflows=done.overflows,
         wall_time_s=done.wall_time_s,
+    )
+
+
+def penalised_run(
+    arm: str,
+    seed: int,
+    why: str,
+    curve: Sequence[float],
+    fp32: RunResult,
+    steps: int,
+    wall_time_s: float = 0.0,
+) -> RunResult:
+    """A run that diverged at optimizer step ``steps``, as the evaluator scores a diverged
+    fine-tune: final and validation loss at ``1 +``
+    :data:`~autoprec.evaluate.scoring.PENALTY_LOSS_DELTA` times ``fp32``'s (the same seed's),
+    accuracy 0; ``curve`` is its training loss of the steps before."""
+    from autoprec.evaluate.scoring import PENALTY_LOSS_DELTA
+
+    factor = 1.0 + PENALTY_LOSS_DELTA
+    return RunResult(
+        arm=arm,
+        seed=seed,
+        final_loss=factor * fp32.final_loss,
+        val_loss=factor * fp32.val_loss,
+        val_accuracy=0.0,
+        steps=steps,
+        curve=tuple(curve),
+        val_curve=(),
+        wall_time_s=wall_time_s,
+        diverged=why,
     )
 
 

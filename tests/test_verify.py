@@ -8,6 +8,7 @@ from test_tracking import PNG, parents_and_children, runs_of
 
 from autoprec.cli import main
 from autoprec.evaluate.reward import DEFAULT_TOLERANCE
+from autoprec.evaluate.scoring import PENALTY_LOSS_DELTA
 from autoprec.policy import PrecisionPolicy
 from autoprec.policy_io import load_policy, save_policy
 from autoprec.verify import VerifyConfig, VerifyError, verify
@@ -67,6 +68,81 @@ def test_every_run_can_start_from_a_checkpoint(tmp_path):
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(VerifyError, match="cannot read checkpoint"):
         verify(PrecisionPolicy(), "tinycnn", config, checkpoint=tmp_path / "junk.pt")
+
+
+def test_a_policy_that_diverges_is_outside_and_penalised_not_an_error(tmp_path, capsys):
+    """fp16 on the overflow trap's stem: its input, 2**16 times the images, overflows fp16, so
+    without loss scaling the first step's loss is inf. Each seed's run is penalised as the
+    evaluator penalises a diverged fine-tune, and the verdict is outside."""
+    policy = PrecisionPolicy(layers={"stem": "fp16"}, model={"name": "overflow_trap"})
+    config = VerifyConfig(steps=10, seeds=(0, 1), arms=("fp32",), mode="emulate", device="cpu")
+    result = verify(policy, "trap_models:overflow_trap", config)
+    mine, fp32 = result.arms
+    assert mine.diverged == 2 and fp32.diverged == 0 and result.verdict == "outside"
+    for run, ref in zip(mine.runs, fp32.runs, strict=True):
+        assert run.diverged is not None and "diverged at step 1" in run.diverged
+        assert run.final_loss == pytest.approx((1 + PENALTY_LOSS_DELTA) * ref.final_loss)
+        assert run.val_accuracy == 0.0 and run.steps == 1 and ref.diverged is None
+    assert result.loss_delta == pytest.approx(PENALTY_LOSS_DELTA)
+    section = result.section()
+    assert section.verdict == "outside" and section.arms[0].diverged == 2
+    path = save_policy(policy.replace(verification=section), tmp_path / "p.yaml")
+    assert load_policy(path).verification.arms[0].diverged == 2
+
+    from autoprec.cli.verify import table
+
+    lines = table(result)
+    assert any(line.startswith("policy diverged in 2 of 2 seeds (0, 1)") for line in lines)
+    assert lines[-1].startswith("verdict: outside the tolerance (it diverged in 2 of 2 seeds;")
+
+
+def test_the_cli_says_which_runs_diverged_and_mlflow_tags_them(tmp_path, capsys):
+    model = "trap_models:overflow_trap"
+    policy = PrecisionPolicy(layers={"stem": "fp16"}, model={"name": model})
+    path = save_policy(policy, tmp_path / "policy.yaml")
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    args = [
+        "--model",
+        model,
+        "--steps",
+        "10",
+        "--seeds",
+        "1",
+        "--arms",
+        "fp32",
+        "--mode",
+        "emulate",
+    ]
+    rc = main(["verify", str(path), *args, "--tracking-uri", uri, "--target", "h100-sxm"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "policy seed 0: diverged at step 1" in out and "policy diverged in 1 of 1 seeds" in out
+    assert "verdict: outside the tolerance (it diverged in 1 of 1 seeds;" in out
+    section = load_policy(path).verification
+    assert section.verdict == "outside" and section.arms[0].diverged == 1
+    parents, children = parents_and_children(runs_of(uri, f"autoprec/{model}"))
+    (parent,) = parents
+    assert (
+        parent.data.metrics["policy_diverged"] == 1.0 and "fp32_diverged" not in parent.data.metrics
+    )
+    runs = {r.data.params["arm"]: r for r in children[parent.info.run_id]}
+    assert runs["policy"].data.metrics["diverged"] == 1.0
+    assert "diverged at step 1" in runs["policy"].data.tags["autoprec.diverged"]
+    assert "diverged" not in runs["fp32"].data.metrics
+
+
+def test_fp32_that_diverges_is_a_one_line_error(monkeypatch):
+    import autoprec.verify as verify_module
+    from autoprec.train import TrainDivergedError
+
+    def diverging(spec, data, arm, *args, **kwargs):
+        raise TrainDivergedError("training diverged at step 3 (loss nan) without loss scaling")
+
+    monkeypatch.setattr(verify_module, "run_arm", diverging)
+    config = VerifyConfig(steps=4, seeds=(0,), arms=("fp32",), dataset="digits", device="cpu")
+    with pytest.raises(VerifyError, match=r"^fp32 diverged \(seed 0, lr 0.05\): training") as err:
+        verify(PrecisionPolicy(), "tinycnn", config)
+    assert "lower --lr" in str(err.value) and "\n" not in str(err.value)
 
 
 def test_the_settings_are_checked_before_any_training():

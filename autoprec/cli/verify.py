@@ -225,8 +225,8 @@ def run_verification(
 
 def table(result: Any) -> list[str]:
     """The printed table: per arm the seeds, final loss and val accuracy (mean ± sd) and the
-    deltas to fp32, then the verdict line."""
-    from autoprec.evaluate.scoring import relative_loss_delta
+    deltas to fp32, a line per arm that diverged, then the verdict line."""
+    from autoprec.evaluate.scoring import PENALTY_LOSS_DELTA, relative_loss_delta
 
     fp32 = result.arm("fp32")
     width = max(12, *(len(a.label) for a in result.arms))
@@ -246,10 +246,21 @@ def table(result: Any) -> list[str]:
             f"{arm.loss_mean:>8.4f} ± {arm.loss_sd:<6.4f}  "
             f"{arm.accuracy_mean:>7.2%} ± {arm.accuracy_sd:<7.2%}  {deltas}"
         )
+    for arm in result.arms:
+        diverged = arm.diverged_runs
+        if diverged:
+            seeds = ", ".join(str(r.seed) for r in diverged)
+            lines.append(
+                f"{arm.label} diverged in {len(diverged)} of {len(arm.runs)} seeds ({seeds}), "
+                f"counted as loss {1 + PENALTY_LOSS_DELTA:g}x fp32's and accuracy 0: "
+                f"{diverged[0].diverged}"
+            )
     tolerance = result.config.tolerance
-    relation = "<=" if result.within else ">"
+    relation = "<=" if result.loss_delta <= tolerance else ">"
+    mine = result.arms[0]
+    why = f"it diverged in {mine.diverged} of {len(mine.runs)} seeds; " if mine.diverged else ""
     lines.append(
-        f"verdict: {result.verdict} the tolerance (the policy's loss delta to fp32 "
+        f"verdict: {result.verdict} the tolerance ({why}the policy's loss delta to fp32 "
         f"{result.loss_delta:+.2%} {relation} {tolerance:.2%}; accuracy delta "
         f"{result.accuracy_delta:+.2%})"
     )
@@ -270,6 +281,12 @@ class _Echo:
 
     def run_finished(self, run: Any) -> None:
         self.tracker.run_finished(run)
+        if run.diverged is not None:
+            self.echo(
+                f"  {run.arm} seed {run.seed}: diverged at step {run.steps}, after "
+                f"{run.wall_time_s:.1f} s (penalised)"
+            )
+            return
         self.echo(
             f"  {run.arm} seed {run.seed}: {run.steps} steps in {run.wall_time_s:.1f} s, final "
             f"loss {run.final_loss:.4f}, val accuracy {run.val_accuracy:.2%}"

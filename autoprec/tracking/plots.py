@@ -125,11 +125,19 @@ def curves_figure(result: Any, title: str) -> Any:
     fig = Figure(figsize=(7, 4.5), dpi=100, layout="constrained")
     ax = fig.add_subplot()
     for arm in result.arms:
-        length = min(len(run.curve) for run in arm.runs)
-        columns = [[run.curve[i] for run in arm.runs] for i in range(length)]
+        # a diverged run's curve stops where it diverged: each step averages the runs that
+        # reached it with a finite loss (none: a gap)
+        length = max(len(run.curve) for run in arm.runs)
+        columns = [
+            [r.curve[i] for r in arm.runs if i < len(r.curve) and math.isfinite(r.curve[i])]
+            for i in range(length)
+        ]
+        columns = [c or [math.nan] for c in columns]
         steps = list(range(1, length + 1))
         mean = [sum(c) / len(c) for c in columns]
-        (line,) = ax.plot(steps, mean, linewidth=1.2, label=f"{arm.label} ({len(arm.runs)} seeds)")
+        label = f"{arm.label} ({len(arm.runs)} seeds"
+        label += f", {arm.diverged} diverged)" if arm.diverged else ")"
+        (line,) = ax.plot(steps, mean, linewidth=1.2, label=label)
         if len(arm.runs) > 1:
             low, high = [min(c) for c in columns], [max(c) for c in columns]
             ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.2, linewidth=0)

@@ -93,6 +93,9 @@ class VerifyTracker(RunSettings):
                 "overflows": run.overflows,
                 "train_wall_time_s": run.wall_time_s,
             }
+            if run.diverged is not None:  # penalised: its loss and accuracy are the penalty's
+                final["diverged"] = 1.0
+                self.client.mlflow.set_tag(self.runs[key], "autoprec.diverged", run.diverged[:500])
             self.client.log(self.runs[key], metrics=final, step=run.steps)
             self.client.end_run(self.runs[key])
 
@@ -109,8 +112,8 @@ class VerifyTracker(RunSettings):
                 "verify_wall_time_s": result.wall_time_s,
             }
             for arm in result.arms:
-                for stat in ("loss_mean", "loss_sd", "accuracy_mean", "accuracy_sd"):
-                    metrics[f"{arm.arm}_{stat}"] = getattr(arm, stat)
+                for stat, value in arm.to_dict().items():  # with diverged where not 0
+                    metrics[f"{arm.arm}_{stat}"] = value
             self.client.log(self.run_id, metrics=metrics)
             self.client.mlflow.set_tag(self.run_id, "autoprec.verdict", result.verdict)
             for path in artifacts:

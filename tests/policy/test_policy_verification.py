@@ -90,6 +90,16 @@ def test_an_unquoted_date_is_read_as_its_text(tmp_path):
         ),
         ({"arms": {"fp32": {"loss_mean": 1}}}, ("verification", "arms", "fp32"), "lacks"),
         ({"verdikt": "within"}, ("verification", "verdikt"), "did you mean 'verdict'"),
+        (
+            {"arms": {"policy": {**SECTION["arms"]["policy"], "diverged": -1}}},
+            ("verification", "arms", "policy", "diverged"),
+            "integer >= 0",
+        ),
+        (
+            {"arms": {"policy": {**SECTION["arms"]["policy"], "diverged": 3}}},
+            ("verification", "arms", "policy", "diverged"),
+            "at most the number of seeds (2)",
+        ),
     ],
 )
 def test_a_bad_section_is_one_line_naming_the_field(changes, field, says):
@@ -113,3 +123,14 @@ def test_the_error_names_the_line(tmp_path):
     line = text.splitlines().index("  batch_size: 16") + 1
     with pytest.raises(PolicyError, match=rf"line {line}: verification.batch_size must be"):
         load_policy(path)
+
+
+def test_an_arm_that_diverged_keeps_its_count_and_only_then():
+    arms = copy.deepcopy(SECTION["arms"])
+    arms["policy"]["diverged"] = 2
+    verified = PrecisionPolicy.from_dict(policy(arms=arms))
+    mine, fp32 = verified.verification.arms
+    assert (mine.diverged, fp32.diverged) == (2, 0)
+    written = yaml.safe_load(format_policy(verified))["verification"]["arms"]
+    assert written["policy"]["diverged"] == 2 and "diverged" not in written["fp32"]
+    assert PrecisionPolicy.from_dict(yaml.safe_load(format_policy(verified))) == verified
