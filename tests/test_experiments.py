@@ -471,3 +471,22 @@ def test_validate_cost_model_prices_transformer_rows(tmp_path, capsys):
     wrong = _transformer_row(model="llama3-8b")  # widths that are not Llama 3 8B's
     with pytest.raises(ValueError, match="PRODUCTION_SHAPES"):
         sys.modules["transformer_rows"].llama_config(wrong)
+
+
+def test_bench_scoring_quick(tmp_path):
+    section = _section(_run("bench_scoring.py", tmp_path, "--quick"), "bench_scoring")
+    _provenance_ok(section)
+    parts, noise = _tables(section)
+    assert [r["policy"] for r in parts] == ["fp32", "bf16"]
+    for r in parts:
+        scored = _num(r["scoring: train split"]) + _num(r["scoring: val split"])
+        assert 0 < scored < _num(r["whole evaluation"])  # the scoring is a part of it
+        assert r["scoring: train split"].endswith("(3277 examples)")
+        assert 0 < _num(r["scoring share"]) < 100
+    whole, subset = noise
+    assert (_num(whole["N examples"]), _num(whole["added noise (sd)"])) == (3277, 0.0)
+    assert _num(subset["N examples"]) == 256 and _num(subset["added noise (sd)"]) > 0
+    for r in noise:
+        assert _num(r["order noise (sd)"]) > 0 and _num(r["spread (sd)"]) > 0
+        assert -1.0 <= _num(r["repeatability"]) <= 1.0
+        assert len(r["loss delta of uniform tf32 / bf16 / fp16"].split(" / ")) == 3
