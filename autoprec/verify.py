@@ -43,8 +43,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from autoprec.evaluate.reward import DEFAULT_TOLERANCE
-from autoprec.policy import ArmSummary, PrecisionPolicy, VerificationInfo
+from autoprec.policy import PrecisionPolicy
 from autoprec.precision import PRECISION_NAMES
+from autoprec.verify_results import ArmResult, RunResult, VerifyResult
 
 __all__ = [
     "DEFAULT_ARMS",
@@ -136,112 +137,6 @@ class VerifyConfig:
         return {"steps": self.steps} if self.steps is not None else {"epochs": self.epochs or 1}
 
 
-@dataclass(frozen=True)
-class RunResult:
-    """One arm trained with one seed.
-
-    Attributes:
-        curve: the training loss of every optimizer step.
-        val_curve: ``(step, val_loss, val_accuracy)`` of every validation.
-    """
-
-    arm: str
-    seed: int
-    final_loss: float
-    val_loss: float
-    val_accuracy: float
-    steps: int
-    curve: tuple[float, ...]
-    val_curve: tuple[tuple[int, float, float], ...]
-    skipped_steps: int = 0
-    overflows: int = 0
-    wall_time_s: float = 0.0
-    diverged: str | None = None  # why training stopped (penalised run), None: it finished
-
-
-@dataclass(frozen=True)
-class ArmResult(ArmSummary):
-    """One arm over the seeds: its :class:`~autoprec.policy.ArmSummary` (mean and sample sd, 0
-    for one seed, of the final values), the policy it trained and its runs."""
-
-    policy: PrecisionPolicy
-    runs: tuple[RunResult, ...]
-
-    @classmethod
-    def of(cls, arm: str, policy: PrecisionPolicy, runs: Sequence[RunResult]) -> ArmResult:
-        losses = [r.final_loss for r in runs]
-        accuracies = [r.val_accuracy for r in runs]
-        diverged = sum(r.diverged is not None for r in runs)
-        stats = (*_mean_sd(losses), *_mean_sd(accuracies))
-        return cls(arm, *stats, policy, tuple(runs), diverged=diverged)
-
-    @property
-    def arm(self) -> str:
-        """The arm's name (``policy``, ``fp32``, ``amp``, ...)."""
-        return self.name
-
-    def summary(self) -> ArmSummary:
-        """The arm as the policy file keeps it."""
-        return ArmSummary(self.name, **self.to_dict())
-
-    @property
-    def diverged_runs(self) -> tuple[RunResult, ...]:
-        """The runs that diverged (penalised)."""
-        return tuple(r for r in self.runs if r.diverged is not None)
-
-    @property
-    def label(self) -> str:
-        """The arm's name, with its precision for ``amp`` (``"amp (bf16)"``)."""
-        return f"amp ({self.policy.default.value})" if self.arm == "amp" else self.arm
-
-
-@dataclass(frozen=True)
-class VerifyResult:
-    """What :func:`verify` measured; ``arms`` lists the policy's arm first; ``within``: the
-    policy's relative loss delta to fp32 is at most the config's tolerance."""
-
-    model: str
-    config: VerifyConfig
-    arms: tuple[ArmResult, ...]
-    deltas: tuple[float, float]  # (loss delta, accuracy delta) of the policy to fp32
-    within: bool
-    dataset: str
-    date: str
-    wall_time_s: float = 0.0
-    checkpoint: str | None = None
-
-    @property
-    def loss_delta(self) -> float:
-        return self.deltas[0]
-
-    @property
-    def accuracy_delta(self) -> float:
-        return self.deltas[1]
-
-    @property
-    def verdict(self) -> str:
-        return "within" if self.within else "outside"
-
-    def arm(self, name: str) -> ArmResult:
-        """The arm called ``name``."""
-        return next(a for a in self.arms if a.arm == name)
-
-    def section(self) -> VerificationInfo:
-        """The policy file's ``verification`` section."""
-        from autoprec import __version__
-
-        c = self.config
-        kept = ("seeds", "batch_size", "lr", "momentum", "tolerance")
-        return VerificationInfo(
-            **{k: getattr(self, k) for k in ("verdict", "loss_delta", "accuracy_delta", "date")},
-            **{k: getattr(c, k) for k in kept},
-            **c.length,
-            arms=tuple(a.summary() for a in self.arms),
-            dataset=self.dataset,
-            autoprec_version=__version__,
-        )
-
-
 class VerifyCallback(Protocol):
     """What :func:`verify` tells as it goes (the MLflow tracker, the CLI's progress)."""
 
@@ -297,6 +192,7 @@ def verify(
     from autoprec.data import load_dataset_for
     from autoprec.evaluate.scoring import relative_loss_delta
     from autoprec.models import load_model
+    from autoprec.train import TrainDivergedError
 
     start = time.perf_counter()
     if target is None and "amp" in config.arms:
@@ -320,8 +216,16 @@ def verify(
             _load(spec.module, initial, checkpoint)  # every arm starts from the same weights
             if callback is not None:
                 callback.run_started(arm, seed)
-            reference = None if arm == "fp32" else runs["fp32"][-1]
-            run = _run_or_fp32_error(spec, data, arm, arms[arm], seed, config, callback, reference)
+            reference = None if arm == "fp32" else runs["fp32"][-1]  # a diverged run's penalty
+            try:
+                run = run_arm(
+                    spec, data, arm, arms[arm], seed, config, callback, penalise_against=reference
+                )
+            except TrainDivergedError as err:  # fp32's: there is nothing to compare with
+                raise VerifyError(
+                    f"fp32 diverged (seed {seed}, lr {config.lr:g}): {err}; a verdict needs an "
+                    "fp32 run that learns: give a lower --lr"
+                ) from None
             runs[arm].append(run)
             if callback is not None:
                 callback.run_finished(run)
@@ -345,29 +249,6 @@ def verify(
         wall_time_s=time.perf_counter() - start,
         checkpoint=None if checkpoint is None else str(checkpoint),
     )
-
-
-def _run_or_fp32_error(
-    spec: Any,
-    data: Any,
-    arm: str,
-    policy: PrecisionPolicy,
-    seed: int,
-    config: VerifyConfig,
-    callback: VerifyCallback | None,
-    reference: RunResult | None,
-) -> RunResult:
-    """:func:`run_arm`, penalised against ``reference`` (the seed's fp32 run) if it diverges;
-    fp32 itself (no reference) diverging is a :class:`VerifyError`."""
-    from autoprec.train import TrainDivergedError
-
-    try:
-        return run_arm(spec, data, arm, policy, seed, config, callback, penalise_against=reference)
-    except TrainDivergedError as err:
-        raise VerifyError(
-            f"fp32 diverged (seed {seed}, lr {config.lr:g}): {err}; a verdict needs an fp32 run "
-            "that learns: give a lower --lr"
-        ) from None
 
 
 def run_arm(
@@ -462,11 +343,6 @@ def penalised_run(
         wall_time_s=wall_time_s,
         diverged=why,
     )
-
-
-def _mean_sd(values: Sequence[float]) -> tuple[float, float]:
-    mean = statistics.fmean(values)
-    return mean, statistics.stdev(values) if len(values) > 1 else 0.0
 
 
 def _load(module: Any, weights: Mapping[str, Any], checkpoint: Any) -> None:

@@ -3,7 +3,9 @@
 Every arm (the policy, then ``--arms``) is trained with ``autoprec train``'s runtime and loss
 scaling for the same length, from the same initial weights per seed, on the same batches
 (:func:`autoprec.verify.verify`). Printed: a table of each arm's final training loss and
-validation accuracy (mean ± sd over the seeds) with its delta to fp32, and the verdict. Written:
+validation accuracy (mean ± sd over the seeds) with its delta to fp32, a line per arm whose
+training diverged in some seeds (penalised, not an error; a policy that diverged is outside),
+and the verdict. Written:
 the policy file with a ``verification`` section (in place unless ``--out``), the learning curves
 as a PNG (``<out stem>.curves.png`` unless ``--plot``), both atomically; logged to MLflow unless
 ``--no-mlflow``: a parent run with a nested run per arm and seed.
