@@ -7,6 +7,7 @@ its checkpoints share them, so that "is this a multi-process run" is decided in 
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Callable
 
@@ -49,3 +50,12 @@ def sum_over_ranks(value: int, dev: torch.device) -> int:
     t = torch.tensor([value], dtype=torch.int64, device=dev)
     dist.all_reduce(t)
     return int(t.item())
+
+
+def leave_group() -> None:
+    """Destroy the process group, once the caller has dropped its ``DistributedDataParallel``
+    wrapper: the wrapper's reducer holds the group and gloo's last work, and freed only after the
+    group (at the caller's return, or at interpreter exit) gloo's threads can abort the process
+    (SIGABRT, "terminate called without an active exception", seen in CI); collected here first."""
+    gc.collect()
+    dist.destroy_process_group()

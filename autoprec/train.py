@@ -52,7 +52,7 @@ from autoprec.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
-from autoprec.distributed import StopFn, any_rank, dist_env, sum_over_ranks
+from autoprec.distributed import StopFn, any_rank, dist_env, leave_group, sum_over_ranks
 from autoprec.layers import model_fingerprint
 from autoprec.policy import PrecisionPolicy, resolve_mode
 from autoprec.runtime import LossScaler, apply_policy
@@ -382,7 +382,8 @@ def train(
         if handle is not None:
             handle.remove()
         if own_group and dist.is_initialized():
-            dist.destroy_process_group()
+            model = loop = None  # type: ignore[assignment]  # DDP's reducer: see leave_group
+            leave_group()
 
 
 def _check_settings(

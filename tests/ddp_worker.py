@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import json
 from pathlib import Path
 
@@ -10,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autoprec.distributed import leave_group
 from autoprec.runtime import apply_policy
 
 
@@ -42,9 +42,6 @@ def train(rank: int, world: int, init_file: str, out_dir: str) -> None:
         "state_keys": list(model.state_dict()),
     }
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
-    # DDP's reducer holds the group and gloo's last work: freed now, while the interpreter is
-    # whole, not at its exit, where gloo's threads can abort the process (SIGABRT seen in CI)
-    del ddp, opt, loss
-    gc.collect()
+    del ddp, opt, loss  # DDP's reducer holds the group: freed before it (leave_group)
     dist.barrier()  # neither rank tears the group (and its file store) down under the other
-    dist.destroy_process_group()
+    leave_group()
