@@ -23,6 +23,21 @@ One script, under 8 minutes on one GPU (`--max-minutes` stops starting new work 
    cost model's prediction `CostModel(device).step(table, policy)` for the detected device (or
    `--device`), the measured / predicted ratio, and per model the rank correlation (Spearman)
    of predicted and measured step times.
+3. Issue 18 on a GPU: the zoo's Llama-style decoder at a production shape (`--llama-shape`,
+   default llama3-8b: Llama3-8B's widths, heads, vocabulary and 8192-token sequence at the zoo
+   model's 4 blocks; batch 1 sequence per GPU, as torchao's and torchtitan's Llama3 fp8
+   benchmarks), trained natively under all-bf16 (AMP), each hand-written fp8 rule
+   (`autoprec/agents/hand_rules.py`: torchao's auto-filter per recipe, fp8 except the output
+   head, Megatron's first and last blocks in bf16) and the searched export (`--llama-policy`,
+   the `best_policy.yaml` of `autoprec search --model llama --train-shape llama3-8b --target
+   h100-sxm`, kept in experiments/results/): tokens/s, peak memory and the prediction, as in
+   part 2, each eager and then under `torch.compile` (how torchao's own fp8 figures are measured;
+   not in the dry run, where compiling would take minutes). autoprec's native runtime does not
+   run under `torch.compile` (its per-layer autocast hooks fail to trace; the first GPU run
+   recorded the error), so a compiled row runs the policy's program as a user writes it by
+   hand (:func:`by_hand`): one `torch.autocast` region of the policy's 16-bit format and
+   torchao's `Float8Linear` on its fp8 layers (autoprec's `Float8Swap`, each layer's recipe);
+   every policy here is of that form (16-bit layers of one format, fp8 layers).
    The searched policy is `--policy FILE` (resnet50; `--transformer-policy FILE`) if given,
    e.g. the `best_policy.yaml` of `autoprec search --model resnet50 --target <device>`;
    otherwise the greedy agent's best on the surrogate (`autoprec.agents.search(agent=
@@ -83,9 +98,13 @@ from benchlib import (
 
 from autoprec.defaults import DEFAULT_DATASET
 from autoprec.policy import PrecisionPolicy
+from autoprec.precision import Precision
 from autoprec.runtime import LossScaler, apply_policy
 
-SECTIONS = ("gpu_validate", "gpu_validate_dry_run")  # in docs/benchmarks.md
+ROOT = Path(__file__).resolve().parent.parent  # the repository
+RESULTS = ROOT / "experiments" / "results"
+# in docs/benchmarks.md: the full run, the CPU dry run, and a later run of some parts
+SECTIONS = ("gpu_validate", "gpu_validate_dry_run", "gpu_validate_rerun")
 TINY = ("tinycnn", "mlp")  # image models that keep their own input size
 
 
@@ -97,6 +116,12 @@ class Args:
     model: str = "resnet50"
     batch_size: int = 256
     image_size: int = 224
+    llama_shape: str = field(default="llama3-8b", metadata={"help": "llama's production shape"})
+    llama_batch: int = field(default=1, metadata={"help": "llama's sequences per step"})
+    llama_policy: Path | None = field(
+        default=RESULTS / "llama-h100-sxm-policy.yaml",
+        metadata={"help": "searched policy of llama (default: the kept h100-sxm export)"},
+    )
     width: int = field(default=2048, metadata={"help": "the transformer's d_model"})
     blocks: int = field(default=8, metadata={"help": "the transformer's encoder blocks"})
     heads: int = 16
@@ -115,6 +140,13 @@ class Args:
     )
     search_budget: int = field(default=400, metadata={"help": "greedy's surrogate evaluations"})
     max_minutes: float = field(default=7.0, metadata={"help": "start no new work after this"})
+    only: list[str] = field(
+        default_factory=list,
+        metadata={"help": "run only these parts: small, llama, image, transformer (default all)"},
+    )
+    section: str = field(
+        default="", metadata={"help": "docs section (default gpu_validate; gpu_validate_rerun)"}
+    )
     compile_kernels: bool = field(
         default=False,
         metadata={"help": "let emulation use the torch.compile'd kernels (compiling takes long)"},
@@ -171,6 +203,9 @@ class Bench:
     batch: int
     policy_file: Path | None
     shape: str  # the input, for the docs
+    part: str  # its name for --only
+    tokens: int = 1  # tokens per sample: > 1 reports tokens/s instead of samples/s
+    llm: bool = False  # rows: AMP, the hand fp8 rules and the export, eager and compiled
 
 
 def transformer(width: int, blocks: int, heads: int, seq_len: int) -> Any:
@@ -207,6 +242,7 @@ def benches(args: Args) -> list[Bench]:
         args.batch_size,
         args.policy,
         "its own size" if tiny else f"{size}x{size} synthetic images",
+        "image",
     )
     text = Bench(
         f"tinytransformer-{args.width}x{args.blocks}",
@@ -216,8 +252,49 @@ def benches(args: Args) -> list[Bench]:
         args.transformer_batch,
         args.transformer_policy,
         f"sequences of {args.seq_len} random tokens, {args.heads} heads",
+        "transformer",
     )
-    return [image, text]
+    llama = Bench(
+        "llama" + (f" at {args.llama_shape}" if args.llama_shape else ""),
+        lambda: load_model("llama", shape=args.llama_shape or None),
+        lambda: load_model("llama"),
+        "teacher-text",
+        args.llama_batch,
+        args.llama_policy if args.llama_policy and args.llama_policy.exists() else None,
+        f"{args.llama_batch} sequence(s) of {_llama_seq(args)} tokens",
+        "llama",
+        tokens=_llama_seq(args),
+        llm=True,
+    )
+    return [b for b in (llama, image, text) if not args.only or b.part in args.only]
+
+
+def _llama_seq(args: Args) -> int:
+    from autoprec.models import llama
+
+    shape = llama.PRODUCTION_SHAPES.get(args.llama_shape) if args.llama_shape else None
+    return (shape or llama.DEFAULT_CONFIG).seq_len
+
+
+def hand_rules(bench: Bench, device: Any, cost_spec: Any) -> list[tuple[str, Any]]:
+    """The hand-written fp8 rules (autoprec.agents.hand_rules) for ``bench`` on ``device``,
+    each rule applied at the measured shape (``cost_spec``), as `--agent baseline` does."""
+    from autoprec.agents import Problem
+    from autoprec.agents.hand_rules import hand_rule_policies
+    from autoprec.data import load_dataset_for
+    from autoprec.evaluate import Evaluator
+
+    spec = bench.build_small()
+    evaluator = Evaluator(
+        spec,
+        load_dataset_for(spec, bench.dataset, seed=0),
+        target=device,
+        cache_dir=tempfile.mkdtemp(prefix="autoprec-gpu-validate-"),
+        cost_spec=cost_spec,
+        cost_batch_size=bench.batch,
+    )
+    problem = Problem(evaluator, precisions=tuple(device.supported_precisions))
+    return [(name, problem.to_policy(layers)) for name, layers in hand_rule_policies(problem)]
 
 
 # ------------------------------------------------------------------- 1. native against emulate
@@ -325,7 +402,9 @@ def searched_policy(bench: Bench, args: Args, device: Any, cost_spec: Any) -> tu
     if bench.policy_file is not None:
         from autoprec.policy_io import load_policy
 
-        return load_policy(bench.policy_file), f"policy file `{bench.policy_file}`"
+        path = bench.policy_file.resolve()
+        shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+        return load_policy(path), f"policy file `{shown}`"
     from autoprec.agents import Problem, search
     from autoprec.data import load_dataset_for
     from autoprec.evaluate import Evaluator
@@ -375,6 +454,29 @@ def random_policies(table: Any, device: Any, n: int, seed: int) -> list[Precisio
     return out
 
 
+def by_hand(model: torch.nn.Module, policy: PrecisionPolicy) -> torch.dtype | None:
+    """Set ``model`` up to run ``policy``'s program without autoprec's hooks, as written by
+    hand: torchao's ``Float8Linear`` on the fp8 layers (``Float8Swap``, each layer's recipe);
+    returns the autocast dtype to run its forward under (None: no region).
+
+    Raises:
+        ValueError: a layer is neither fp8 nor of the region's format (that needs autoprec's
+            per-layer rules).
+    """
+    from autoprec.hardware.program import region_of
+    from autoprec.runtime.native import LOW_DTYPES, Float8Swap
+
+    precisions = policy.resolve(model)
+    region = region_of(precisions)
+    others = sorted({p.value for p in precisions.values() if not p.is_fp8} - {region})
+    if others:
+        raise ValueError(f"{', '.join(others)} layers beside a {region} region need autoprec")
+    fp8 = {n: p for n, p in precisions.items() if p.is_fp8}
+    if fp8:
+        Float8Swap(model, fp8)
+    return None if region is None else LOW_DTYPES[Precision(region)]
+
+
 def _mark(cuda: bool) -> Any:
     """A point in time: a recorded CUDA event (the GPU's clock), else ``perf_counter``."""
     if not cuda:
@@ -384,8 +486,11 @@ def _mark(cuda: bool) -> Any:
     return event
 
 
-def measure(bench: Bench, policy: PrecisionPolicy, args: Args, dev: torch.device) -> dict:
-    """Median step time, samples/s and peak memory of training under ``policy`` (native)."""
+def measure(
+    bench: Bench, policy: PrecisionPolicy, args: Args, dev: torch.device, compiled: bool = False
+) -> dict:
+    """Median step time, samples (or tokens) per second and peak memory of training under
+    ``policy`` (native), the model under ``torch.compile`` when ``compiled``."""
     spec = model = handle = scaler = opt = x = y = None
     try:
         if dev.type == "cuda":
@@ -398,7 +503,20 @@ def measure(bench: Bench, policy: PrecisionPolicy, args: Args, dev: torch.device
         x, y = spec.example_batch(bench.batch, device=dev)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            handle = apply_policy(model, policy, mode="native")
+            if compiled:  # the same program by hand (autoprec's hooks do not compile)
+                region = by_hand(model, policy)
+                compiled_model = torch.compile(model)
+
+                def run(inputs: torch.Tensor) -> Any:
+                    if region is None:
+                        return compiled_model(inputs)
+                    with torch.autocast(dev.type, dtype=region):
+                        out = compiled_model(inputs)
+                    return out.float()  # as autoprec's region returns its outputs
+
+            else:
+                handle = apply_policy(model, policy, mode="native")
+                run = model
             swapped = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
             scaler = LossScaler.from_policy(policy, device=dev)
             opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -406,7 +524,7 @@ def measure(bench: Bench, policy: PrecisionPolicy, args: Args, dev: torch.device
             marks = [_mark(cuda)]  # step i runs between marks i and i + 1
             for _ in range(args.warmup + args.steps):
                 opt.zero_grad(set_to_none=True)
-                scaler.scale(spec.loss(model(x), y)).backward()
+                scaler.scale(spec.loss(run(x), y)).backward()
                 scaler.step(opt)
                 scaler.update()
                 marks.append(_mark(cuda))
@@ -420,7 +538,7 @@ def measure(bench: Bench, policy: PrecisionPolicy, args: Args, dev: torch.device
         note = "; ".join(filter(None, [f"{swapped} Float8Linear" if swapped else "", note]))
         return {
             "step_s": step,
-            "throughput": bench.batch / step,
+            "throughput": bench.batch * bench.tokens / step,
             "memory_bytes": memory,
             "skipped_steps": scaler.skipped_steps,
             "note": note,
@@ -481,6 +599,12 @@ def measured_vs_predicted(
     for name, p in (("tf32", "tf32"), ("AMP-bf16", "bf16")):  # blanket, as AMP would be
         ok = device.supports(p)
         named.append((name, amp_policy(device, p) if ok else f"{device.name} has no {p}"))
+    if bench.llm:  # no fp32 or tf32 (seconds a step at 8B widths): AMP and the fp8 rules
+        named = named[2:]
+        try:
+            named += hand_rules(bench, device, cost_spec)
+        except Exception as err:  # noqa: BLE001 - the other rows are still worth measuring
+            named.append(("hand rules", f"failed: {_error(err)}"))
     how = "skipped: time limit"
     if clock.left() > (0 if args.dry_run else 120):
         try:
@@ -493,8 +617,14 @@ def measured_vs_predicted(
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-    randoms = random_policies(table, device, args.random_policies, args.seed)
-    named += [(f"random {i + 1}", p) for i, p in enumerate(randoms)]
+    if not bench.llm:
+        randoms = random_policies(table, device, args.random_policies, args.seed)
+        named += [(f"random {i + 1}", p) for i, p in enumerate(randoms)]
+    elif not args.dry_run:  # as torchao measures its fp8 speedups: under torch.compile
+        first = ("AMP-bf16", "torchao-auto-tensorwise", "searched")  # issue 18's three
+        runnable = [(n, p) for n, p in named if not isinstance(p, str)]
+        runnable.sort(key=lambda row: first.index(row[0]) if row[0] in first else len(first))
+        named += [(f"{n}, compiled", p) for n, p in runnable]
     rows = []
     for name, policy in named:
         if isinstance(policy, str):
@@ -508,10 +638,11 @@ def measured_vs_predicted(
                 row.update(pred_step_s=est.step_time_s, pred_memory_bytes=int(est.memory_bytes))
             except Exception as err:  # noqa: BLE001 - a failing prediction is this row's
                 row["prediction_error"] = _error(err)
-        if clock.left() < 45:
+        compiled = name.endswith(", compiled")
+        if clock.left() < (90 if compiled else 45):
             row["error"] = "skipped: time limit"
         else:
-            row.update(measure(bench, policy, args, dev))
+            row.update(measure(bench, policy, args, dev, compiled))
         if "step_s" in row and "pred_step_s" in row:
             row["ratio"] = row["step_s"] / row["pred_step_s"]
         rows.append(row)
@@ -565,7 +696,7 @@ def _model_table(result: dict[str, Any], bench: Bench) -> str:
         measured += [_f(r["throughput"], ".0f"), _f(r["memory_bytes"], ".2f", 1e-9), mem]
         rows.append([r["policy"], r["layers"], *measured, note])
     header = ["policy", "layers", "step ms", "predicted ms", "measured / predicted"]
-    header += ["samples/s", "peak GB", "predicted GB", "note"]
+    header += ["tokens/s" if bench.tokens > 1 else "samples/s", "peak GB", "predicted GB", "note"]
     rho, n = result["spearman"], sum("ratio" in r for r in result["rows"])
     return "\n".join(
         [
@@ -602,15 +733,21 @@ def report(args: Args, gpu: str, device: Any, small: list, models: list, benchma
         f"Device: **{gpu}** ({_software(gpu != 'cpu')}); predictions for the database entry "
         f"**{device.name}**" + (f" (no prediction: {why})" if why else "") + ".",
         "",
-        f"Native against emulate: {args.small_model} on {DEFAULT_DATASET} and tinytransformer on "
-        f"tokens; bf16 and fp16 on every tunable layer, fp8 on the layers that run it natively "
-        f"(torchao Float8Linear) with fp32 or bf16 elsewhere; batch {args.small_batch}, "
-        f"{args.small_steps} SGD steps (lr 0.01, no momentum; fp16 with dynamic loss scaling) "
-        "from the same weights on the same batches; relative differences of the logits and "
-        "loss of the first batch at the initial weights and of that batch's loss after training.",
-        "",
-        _small_table(small),
-        "",
+    ]
+    if small:
+        parts += [
+            f"Native against emulate: {args.small_model} on {DEFAULT_DATASET} and tinytransformer "
+            "on tokens; bf16 and fp16 on every tunable layer, fp8 on the layers that run it "
+            "natively (torchao Float8Linear) with fp32 or bf16 elsewhere; batch "
+            f"{args.small_batch}, {args.small_steps} SGD steps (lr 0.01, no momentum; fp16 with "
+            "dynamic loss scaling) from the same weights on the same batches; relative "
+            "differences of the logits and loss of the first batch at the initial weights and "
+            "of that batch's loss after training.",
+            "",
+            _small_table(small),
+            "",
+        ]
+    parts += [
         f"Training steps, SGD momentum, native mode: median of {args.steps} steps after "
         f"{args.warmup} warm-up steps; peak = `torch.cuda.max_memory_allocated`. Predicted: "
         f"`CostModel({device.name!r}).step(table, policy)` (NCHW activations, SGD). Random "
@@ -622,6 +759,16 @@ def report(args: Args, gpu: str, device: Any, small: list, models: list, benchma
             if gpu != "cpu"
             else ""
         ),
+        "",
+        "llama (issue 18): the zoo's Llama-style decoder at "
+        + (f"`{args.llama_shape}`'s widths (its 4 blocks)" if args.llama_shape else "its size")
+        + "; all-bf16 (AMP), the hand-written fp8 rules (torchao's auto-filter per recipe at "
+        "the measured shapes, fp8 except the output head, first and last blocks in bf16; every "
+        "layer a rule leaves out in bf16) and the searched export, eager; then each again with "
+        "the model under `torch.compile` (compilation in the warm-up steps). A compiled row "
+        "runs the policy's program written by hand (one `torch.autocast` region of its 16-bit "
+        "format, torchao `Float8Linear` on its fp8 layers), since autoprec's native runtime "
+        "does not run under `torch.compile`.",
         "",
     ]
     for result, bench in zip(models, benchmarks, strict=True):
@@ -665,11 +812,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.batch_size, args.warmup, args.steps = 4, 1, 2
         args.width, args.blocks, args.heads, args.seq_len, args.transformer_batch = 32, 2, 4, 16, 4
         args.search_budget = min(args.search_budget, 30)
+        args.llama_shape = ""  # the zoo's own small llama
     gpu = torch.cuda.get_device_name(dev) if cuda else "cpu"
     device = get_device(args.device) if args.device else (detect() if cuda else None)
     device = device if device is not None else get_device("h100-sxm")
     print(f"device: {gpu}; predictions for {device.name}", flush=True)
-    small = native_vs_emulate(args, dev, device)
+    parts = ("small", "llama", "image", "transformer")
+    if args.section and args.section not in SECTIONS:
+        raise SystemExit(f"--section takes {', '.join(SECTIONS)}; got {args.section}")
+    if set(args.only) - set(parts):
+        raise SystemExit(f"--only takes {', '.join(parts)}; got {', '.join(args.only)}")
+    small = native_vs_emulate(args, dev, device) if not args.only or "small" in args.only else []
     benchmarks = benches(args)
     models = [measured_vs_predicted(b, args, dev, device, clock) for b in benchmarks]
     body = report(args, gpu, device, small, models, benchmarks)
@@ -678,7 +831,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2, default=str))
     if args.write_docs:
-        write_section(SECTIONS[1] if args.dry_run else SECTIONS[0], body, path=args.docs)
+        name = args.section or (SECTIONS[1] if args.dry_run else SECTIONS[0])
+        write_section(name, body, path=args.docs)
     print(f"total {time.perf_counter() - clock.start:.0f} s", flush=True)
     return results
 

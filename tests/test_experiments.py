@@ -259,7 +259,7 @@ def test_gpu_validate_dry_run(tmp_path):
     section = _section(text, "gpu_validate_dry_run")
     _provenance_ok(section)
     assert "predictions for the database entry **h100-sxm**" in section
-    small, cnn, transformer = _tables(section)
+    small, llama, cnn, transformer = _tables(section)
     variants = ["bf16", "fp16", "fp8", "fp8 + bf16"]
     assert [(r["model"], r["precision"]) for r in small] == [
         (m, v) for m in ("tinycnn", "tinytransformer") for v in variants
@@ -281,8 +281,22 @@ def test_gpu_validate_dry_run(tmp_path):
     # fp8 ran natively (torchao Float8Linear swapped in) in some random transformer policy
     assert any("fp8" in r["layers"] and "Float8Linear" in r["note"] for r in transformer)
     assert section.count("Searched policy: greedy agent on the surrogate") == 2
+    # issue 18's rows: all-bf16, the hand fp8 rules that give a layer fp8 at the zoo's small
+    # shapes (torchao's auto-filters keep none there), and the kept h100-sxm export, in tokens/s
+    assert [r["policy"] for r in llama] == [
+        "AMP-bf16",
+        "fp8-except-output",
+        "fp8-first-last-bf16",
+        "searched",
+    ]
+    assert "Searched policy: policy file `" in section and "llama-h100-sxm-policy.yaml" in section
+    for r in llama:
+        assert _num(r["tokens/s"]) > 0 and _num(r["predicted ms"]) > 0
+        fp8 = int(re.search(r"fp8 (\d+)", r["layers"]).group(1)) if "fp8" in r["layers"] else 0
+        assert (f"{fp8} Float8Linear" in r["note"]) == (fp8 > 0)  # torchao ran each fp8 layer
+    assert "fp8" in llama[-1]["layers"]
     rhos = re.findall(r"measured policies: \*\*([-\d.]+)\*\*", section)
-    assert len(rhos) == 2 and all(-1.0 <= float(rho) <= 1.0 for rho in rhos)
+    assert len(rhos) == 3 and all(-1.0 <= float(rho) <= 1.0 for rho in rhos)
     # a section written on another machine is carried into the docs without a run
     copy = tmp_path / "copy.md"
     source = tmp_path / "benchmarks.md"
