@@ -13,11 +13,13 @@ import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from autoprec.precision import Precision, parse_precision
+from autoprec.policy_fields import loss_scaling_for
+from autoprec.precision import Precision
 
 if TYPE_CHECKING:  # pragma: no cover
     from autoprec.evaluate import Metrics
-    from autoprec.policy import LossScalingConfig, PrecisionPolicy, TargetInfo
+    from autoprec.policy import PrecisionPolicy, TargetInfo
+
 
 #: The metrics an exported policy records (with the reward where a search scored it).
 POLICY_METRICS = (
@@ -28,20 +30,6 @@ POLICY_METRICS = (
     "speedup_vs_amp",
     "memory_ratio_vs_amp",
 )
-
-
-def loss_scaling_for(assignment: Mapping[str, Any]) -> LossScalingConfig | None:
-    """Dynamic loss scaling (``LossScalingConfig()``) if a layer is fp16, else None.
-
-    This is the rule of :func:`autoprec.hardware.amp_policy` and, for every device in the
-    database (those whose rule asks for loss scaling run fp16 as their low precision), of
-    :func:`autoprec.hardware.default_policy`; so the baselines evaluated as layer maps hit the
-    same cache entries as the policies themselves.
-    """
-    from autoprec.policy import LossScalingConfig
-
-    fp16 = any(parse_precision(p) is Precision.FP16 for p in assignment.values())
-    return LossScalingConfig() if fp16 else None
 
 
 def layer_policy(assignment: Mapping[str, str]) -> PrecisionPolicy:

@@ -173,6 +173,18 @@ class LossScalingConfig:
             raise bad("growth_interval", "an integer >= 1, e.g. 2000", interval)
 
 
+def loss_scaling_for(assignment: Mapping[str, Any]) -> LossScalingConfig | None:
+    """Dynamic loss scaling (``LossScalingConfig()``) if a layer is fp16, else None.
+
+    This is the rule of :func:`autoprec.hardware.amp_policy`, of the search's policies
+    (:func:`autoprec.agents.export.layer_policy`, so that the baselines evaluated as layer maps
+    hit the same cache entries as the policies themselves) and of the cost model for a layer map
+    (:meth:`autoprec.hardware.CostModel.step` prices the unscaling of the gradients).
+    """
+    fp16 = any(parse_precision(p) is Precision.FP16 for p in assignment.values())
+    return LossScalingConfig() if fp16 else None
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     """What model a policy was made for; every field is optional."""

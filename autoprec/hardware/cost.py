@@ -58,8 +58,10 @@ kernel overhead per kernel):
   that is taken instead (what cuDNN's autotuner, ``torch.backends.cudnn.benchmark``, would
   pick). ``"channels_last"`` tensors need no transposes.
 - Optimizer (``optimizer_s``): SGD with momentum moves ~4 x 4 bytes per parameter, Adam(W)
-  ~7 x 4 bytes, one kernel per tunable layer. Only the tunable layers' parameters are counted
-  (normalisation parameters are small).
+  ~7 x 4 bytes, one kernel per tunable layer; under loss scaling (the policy's
+  ``loss_scaling``; for a layer map, an fp16 layer: ``loss_scaling_for``) the unscaling of the
+  gradients reads and writes each fp32 gradient once more (``GradScaler``'s one foreach
+  kernel). Only the tunable layers' parameters are counted (normalisation parameters are small).
 
 Memory (``StepEstimate.memory``): fp32 master weights (4 B/param), low-precision weight copies
 for layers stored below fp32, fp32 gradients, optimizer state (SGD momentum 4 B/param, Adam 8
@@ -103,6 +105,7 @@ if TYPE_CHECKING:
 
 OPTIMIZER_BYTES_PER_PARAM = {"sgd": 4 * 4, "adam": 7 * 4, "adamw": 7 * 4}
 OPTIMIZER_STATE_BYTES_PER_PARAM = {"sgd": 4, "adam": 8, "adamw": 8}
+UNSCALE_BYTES_PER_PARAM = 2 * 4  # loss scaling: each fp32 gradient read and written (unscale_)
 ELEMENTWISE_PASSES = 3  # memory passes over each layer's output, forward (backward: twice)
 _WIDE = ("fp32", "tf32")  # stored as 4-byte fp32
 MEMORY_FORMATS = ("contiguous", "channels_last")  # names as torch.memory_format's
@@ -346,6 +349,8 @@ class CostModel:
         if flow is not None:  # the runtime's own casts (autoprec.hardware.program)
             cast_s = self._casts_s(self.program(table, precision_for), scale)
         optimizer_s = self._memory_s(OPTIMIZER_BYTES_PER_PARAM[opt] * params, len(table.rows))
+        if _unscales(policy, {row.name: precision_for(row.name) for row in table.rows}):
+            optimizer_s += self._memory_s(UNSCALE_BYTES_PER_PARAM * params, 1)
         forward_s = sum(c.forward_s for c in layers)
         backward_s = sum(c.backward_s for c in layers)
         step_s = forward_s + backward_s + optimizer_s + cast_s + other_s + layout_s
@@ -423,6 +428,16 @@ def _precision_lookup(policy: Any) -> Any:
             f"policy must be a PrecisionPolicy, a mapping of layer names to precisions or one "
             f"precision; got {type(policy).__name__}"
         ) from None
+
+
+def _unscales(policy: Any, precisions: Mapping[str, Precision]) -> bool:
+    """Whether a step under ``policy`` unscales its gradients (see the module docstring)."""
+    from autoprec.policy import PrecisionPolicy
+    from autoprec.policy_fields import loss_scaling_for
+
+    fixed = isinstance(policy, PrecisionPolicy)
+    scaling = policy.loss_scaling if fixed else loss_scaling_for(precisions)
+    return scaling is not None and scaling.kind != "none"
 
 
 def _ratio(precision: Precision) -> float:

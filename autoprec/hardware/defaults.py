@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from autoprec.hardware.database import DeviceSpec, get_device
 from autoprec.policy import LossScalingConfig, PrecisionPolicy, TargetInfo
+from autoprec.policy_fields import loss_scaling_for
 from autoprec.precision import Precision, parse_precision
 
 if TYPE_CHECKING:
@@ -75,7 +76,7 @@ def amp_policy(
         )
     return PrecisionPolicy.uniform(
         p,
-        loss_scaling=LossScalingConfig() if p is Precision.FP16 else None,
+        loss_scaling=loss_scaling_for({"": p}),
         target=TargetInfo(device=spec.name, mode="auto"),
         provenance={"agent": f"amp-{p.value}"},
     )

@@ -333,6 +333,27 @@ def test_every_device_is_monotone_with_its_default_efficiency(device):
     assert totals == sorted(totals)
     # whole steps: an fp8 layer's activations stay in the dtype around it (fp32 without a
     # 16-bit region), so a step of fp8 layers alone is not monotone with the 16-bit formats
+    # (policies without loss scaling: its cost is fp16's, not the format's; next test)
     table = one_layer(conv_row())
-    steps = [model.step(table, p).step_time_s for p in order if p != "fp8"]
+    uniform = [PrecisionPolicy.uniform(p) for p in order if p != "fp8"]
+    steps = [model.step(table, p).step_time_s for p in uniform]
     assert steps == sorted(steps)
+
+
+def test_loss_scaling_costs_one_pass_over_the_gradients():
+    # GradScaler's unscale_: each fp32 gradient read and written once more (8 B/param), priced
+    # from the policy's loss_scaling section, or for a layer map when a layer is fp16 (as the
+    # search's policies and amp_policy have it): so bf16 wins an fp16/bf16 tie, as measured
+    model, table = CostModel(H100), one_layer(big_linear())
+    params = table.rows[0].params
+    plain = model.step(table, PrecisionPolicy.uniform("fp16")).optimizer_s
+    unscale = model.step(table, "fp16").optimizer_s - plain
+    assert unscale == pytest.approx(model._memory_s(8 * params, 1))
+    assert model.step(table, {"fc": "fp16"}).optimizer_s == pytest.approx(plain + unscale)
+    assert model.step(table, amp_policy(H100, "fp16")).optimizer_s == pytest.approx(plain + unscale)
+    assert model.step(table, "bf16").optimizer_s == pytest.approx(plain)
+    scaled = PrecisionPolicy.uniform("bf16", loss_scaling=LossScalingConfig(kind="static"))
+    assert model.step(table, scaled).optimizer_s == pytest.approx(plain + unscale)
+    off = PrecisionPolicy.uniform("fp16", loss_scaling=LossScalingConfig(kind="none"))
+    assert model.step(table, off).optimizer_s == pytest.approx(plain)
+    assert model.step(table, "fp16").step_time_s > model.step(table, "bf16").step_time_s
