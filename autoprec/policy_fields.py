@@ -35,6 +35,9 @@ TOP_LEVEL_KEYS = (
 )
 LOSS_SCALING_KINDS = ("dynamic", "static", "none")
 TARGET_MODES = ("auto", "emulate", "native")
+#: The runtime mode that runs native's program under torch.compile (autoprec.runtime.compiled);
+#: a way to train, not a policy file's target mode.
+COMPILED = "compiled"
 REQUIRED_HINT = "a policy needs at least 'autoprec_policy: 1' and 'default: <precision>'"
 
 Field = tuple[Any, ...]

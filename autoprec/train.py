@@ -54,8 +54,17 @@ from autoprec.checkpoint import (
 )
 from autoprec.distributed import StopFn, any_rank, dist_env, leave_group, sum_over_ranks
 from autoprec.layers import model_fingerprint
-from autoprec.policy import PrecisionPolicy, resolve_mode
+from autoprec.policy import PrecisionPolicy
 from autoprec.runtime import LossScaler, apply_policy
+from autoprec.runtime.compiled import COMPILED, compile_policy
+from autoprec.train_checks import (
+    PolicyMismatchError,
+    TrainConfigError,
+    check_policy,
+    check_settings,
+    pick_device,
+    pick_mode,
+)
 from autoprec.train_loop import LogFn, TrainLoop
 
 __all__ = [
@@ -70,14 +79,6 @@ __all__ = [
     "dist_env",
     "train",
 ]
-
-
-class PolicyMismatchError(ValueError):
-    """The policy does not fit the model (or the device): it was made for something else."""
-
-
-class TrainConfigError(ValueError):
-    """Training settings that cannot work (both steps and epochs, a batch larger than the data)."""
 
 
 # Steps in a row with an inf/NaN loss after which a run with loss scaling is diverged: the
@@ -136,7 +137,7 @@ class TrainResult:
         resumed_from: the step the run resumed from, or None for a fresh start.
         world_size: number of processes (1 without DDP).
         rank: this process's rank.
-        mode: the runtime mode used (``"emulate"`` or ``"native"``).
+        mode: the runtime mode used (``"emulate"``, ``"native"`` or ``"compiled"``).
     """
 
     steps: int
@@ -200,8 +201,10 @@ def train(
         checkpoint_every: also write a checkpoint every this many optimizer steps.
         device: where to train (default: the local CUDA device, else the CPU); under DDP on
             CUDA the process's ``LOCAL_RANK`` picks the GPU.
-        mode: runtime mode, ``"auto"`` (native on CUDA, emulated elsewhere), ``"emulate"`` or
-            ``"native"``. Native runs are checked against the local device's precisions.
+        mode: runtime mode, ``"auto"`` (native on CUDA, emulated elsewhere), ``"emulate"``,
+            ``"native"`` or ``"compiled"`` (native's program under ``torch.compile``, for
+            policies of one 16-bit format and fp8 layers: :mod:`autoprec.runtime.compiled`).
+            Native and compiled runs are checked against the local device's precisions.
         seed: seeds the data order (with the epoch) and the torch RNG of each process.
         log: called on rank 0 as ``log(step, metrics)`` after every optimizer step
             (``train_loss``, ``loss_scale``, ``epoch``) and after every validation
@@ -223,16 +226,16 @@ def train(
         TrainInterrupted: ``stop()`` returned True before the last step.
     """
     start = time.perf_counter()
-    _check_settings(
+    check_settings(
         dict(steps=steps, epochs=epochs, batch_size=batch_size, grad_accum=grad_accum),
         checkpoint_every,
         lr,
         momentum,
     )
     rank, world, local_rank = dist_env()
-    dev = _pick_device(device, local_rank if world > 1 else None)
-    run_mode = _pick_mode(mode, dev)
-    _check_policy(spec, policy, dev, run_mode)  # before any process group or data work
+    dev = pick_device(device, local_rank if world > 1 else None)
+    run_mode = pick_mode(mode, dev)
+    check_policy(spec, policy, dev, run_mode)  # before any process group or data work
 
     own_group = False
     if world > 1 and not dist.is_initialized():
@@ -290,7 +293,10 @@ def train(
         if world > 1:
             ids = [dev.index] if dev.type == "cuda" else None
             model = nn.parallel.DistributedDataParallel(module, device_ids=ids)
-        handle = apply_policy(module, policy, mode=run_mode)
+        if run_mode == COMPILED:
+            handle = compile_policy(module, policy)
+        else:
+            handle = apply_policy(module, policy, mode=run_mode)
         loop = TrainLoop(spec, data, module, model, optimizer, scaler, dev, rank, world, log)
         val = None
 
@@ -384,65 +390,3 @@ def train(
         if own_group and dist.is_initialized():
             model = loop = None  # type: ignore[assignment]  # DDP's reducer: see leave_group
             leave_group()
-
-
-def _check_settings(
-    counts: dict[str, int | None], checkpoint_every: int | None, lr: float, momentum: float
-) -> None:
-    """``counts``: ``steps``, ``epochs``, ``batch_size`` and ``grad_accum``."""
-    steps, epochs = counts["steps"], counts["epochs"]
-    if steps is not None and epochs is not None:
-        raise TrainConfigError(
-            f"give steps or epochs, not both (got steps={steps}, epochs={epochs})"
-        )
-    for name, value in {**counts, "checkpoint_every": checkpoint_every}.items():
-        if value is None and name in ("steps", "epochs", "checkpoint_every"):
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise TrainConfigError(f"{name} must be an integer >= 1, got {value!r}")
-    if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
-        raise TrainConfigError(f"lr must be a finite number > 0, got {lr!r}")
-    if not (isinstance(momentum, (int, float)) and 0 <= momentum < 1):
-        raise TrainConfigError(f"momentum must be in [0, 1), got {momentum!r}")
-
-
-def _pick_device(device: str | torch.device | None, local_rank: int | None) -> torch.device:
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        dev = torch.device(device)
-    except RuntimeError as err:
-        raise TrainConfigError(f"invalid device {device!r}: {err}") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise TrainConfigError("device cuda was asked for, but CUDA is not available")
-        if dev.index is None:
-            dev = torch.device("cuda", local_rank if local_rank is not None else 0)
-    return dev
-
-
-def _pick_mode(mode: str, dev: torch.device) -> str:
-    try:
-        return resolve_mode(mode, dev.type)
-    except ValueError as err:  # a user's setting: the one-line error of the other settings
-        raise TrainConfigError(str(err)) from None
-
-
-def _check_policy(spec: Any, policy: PrecisionPolicy, dev: torch.device, mode: str) -> None:
-    """Raise :class:`PolicyMismatchError` unless ``policy`` fits the model (and device)."""
-    target = None
-    if mode == "native":  # emulation runs every precision anywhere
-        from autoprec.runtime.native import local_device  # what apply_policy will check
-
-        target = local_device(dev.type)
-    report = policy.validate(spec.module, target)
-    if report.ok:
-        return
-    made_for = policy.model.name if policy.model is not None else None
-    origin = f"it was made for model {made_for!r}" if made_for else "it names no model"
-    where = f" on {target.name} (native mode)" if target is not None and report.unsupported else ""
-    problems = "; ".join(f"({i}) {p}" for i, p in enumerate(report.problems, 1))
-    raise PolicyMismatchError(
-        f"the policy does not fit model {getattr(spec, 'name', '?')!r}{where} ({origin}): "
-        f"{problems}"
-    )

@@ -32,12 +32,11 @@ One script, under 8 minutes on one GPU (`--max-minutes` stops starting new work 
    the `best_policy.yaml` of `autoprec search --model llama --train-shape llama3-8b --target
    h100-sxm`, kept in experiments/results/): tokens/s, peak memory and the prediction, as in
    part 2, each eager and then under `torch.compile` (how torchao's own fp8 figures are measured;
-   not in the dry run, where compiling would take minutes). autoprec's native runtime does not
-   run under `torch.compile` (its per-layer autocast hooks fail to trace; the first GPU run
-   recorded the error), so a compiled row runs the policy's program as a user writes it by
-   hand (:func:`by_hand`): one `torch.autocast` region of the policy's 16-bit format and
-   torchao's `Float8Linear` on its fp8 layers (autoprec's `Float8Swap`, each layer's recipe);
-   every policy here is of that form (16-bit layers of one format, fp8 layers).
+   not in the dry run, where compiling would take minutes). Native mode's hooks do not trace
+   under `torch.compile` (the first GPU run recorded the error), so a compiled row runs
+   `autoprec.runtime.compile_policy`: the same program without hooks (one `torch.autocast`
+   region of the policy's 16-bit format, torchao `Float8Linear` on its fp8 layers), compiled;
+   every policy here is of that form.
    The searched policy is `--policy FILE` (resnet50; `--transformer-policy FILE`) if given,
    e.g. the `best_policy.yaml` of `autoprec search --model resnet50 --target <device>`;
    otherwise the greedy agent's best on the surrogate (`autoprec.agents.search(agent=
@@ -98,8 +97,7 @@ from benchlib import (
 
 from autoprec.defaults import DEFAULT_DATASET
 from autoprec.policy import PrecisionPolicy
-from autoprec.precision import Precision
-from autoprec.runtime import LossScaler, apply_policy
+from autoprec.runtime import LossScaler, apply_policy, compile_policy
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository
 RESULTS = ROOT / "experiments" / "results"
@@ -454,29 +452,6 @@ def random_policies(table: Any, device: Any, n: int, seed: int) -> list[Precisio
     return out
 
 
-def by_hand(model: torch.nn.Module, policy: PrecisionPolicy) -> torch.dtype | None:
-    """Set ``model`` up to run ``policy``'s program without autoprec's hooks, as written by
-    hand: torchao's ``Float8Linear`` on the fp8 layers (``Float8Swap``, each layer's recipe);
-    returns the autocast dtype to run its forward under (None: no region).
-
-    Raises:
-        ValueError: a layer is neither fp8 nor of the region's format (that needs autoprec's
-            per-layer rules).
-    """
-    from autoprec.hardware.program import region_of
-    from autoprec.runtime.native import LOW_DTYPES, Float8Swap
-
-    precisions = policy.resolve(model)
-    region = region_of(precisions)
-    others = sorted({p.value for p in precisions.values() if not p.is_fp8} - {region})
-    if others:
-        raise ValueError(f"{', '.join(others)} layers beside a {region} region need autoprec")
-    fp8 = {n: p for n, p in precisions.items() if p.is_fp8}
-    if fp8:
-        Float8Swap(model, fp8)
-    return None if region is None else LOW_DTYPES[Precision(region)]
-
-
 def _mark(cuda: bool) -> Any:
     """A point in time: a recorded CUDA event (the GPU's clock), else ``perf_counter``."""
     if not cuda:
@@ -503,20 +478,10 @@ def measure(
         x, y = spec.example_batch(bench.batch, device=dev)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            if compiled:  # the same program by hand (autoprec's hooks do not compile)
-                region = by_hand(model, policy)
-                compiled_model = torch.compile(model)
-
-                def run(inputs: torch.Tensor) -> Any:
-                    if region is None:
-                        return compiled_model(inputs)
-                    with torch.autocast(dev.type, dtype=region):
-                        out = compiled_model(inputs)
-                    return out.float()  # as autoprec's region returns its outputs
-
+            if compiled:  # native's program without hooks, under torch.compile
+                handle = compile_policy(model, policy)
             else:
                 handle = apply_policy(model, policy, mode="native")
-                run = model
             swapped = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
             scaler = LossScaler.from_policy(policy, device=dev)
             opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -524,7 +489,7 @@ def measure(
             marks = [_mark(cuda)]  # step i runs between marks i and i + 1
             for _ in range(args.warmup + args.steps):
                 opt.zero_grad(set_to_none=True)
-                scaler.scale(spec.loss(run(x), y)).backward()
+                scaler.scale(spec.loss(model(x), y)).backward()
                 scaler.step(opt)
                 scaler.update()
                 marks.append(_mark(cuda))
@@ -766,9 +731,9 @@ def report(args: Args, gpu: str, device: Any, small: list, models: list, benchma
         "the measured shapes, fp8 except the output head, first and last blocks in bf16; every "
         "layer a rule leaves out in bf16) and the searched export, eager; then each again with "
         "the model under `torch.compile` (compilation in the warm-up steps). A compiled row "
-        "runs the policy's program written by hand (one `torch.autocast` region of its 16-bit "
-        "format, torchao `Float8Linear` on its fp8 layers), since autoprec's native runtime "
-        "does not run under `torch.compile`.",
+        "runs `autoprec.runtime.compile_policy`: native mode's program (one `torch.autocast` "
+        "region of its 16-bit format, torchao `Float8Linear` on its fp8 layers) without the "
+        "hooks that `torch.compile` cannot trace.",
         "",
     ]
     for result, bench in zip(models, benchmarks, strict=True):

@@ -83,3 +83,17 @@ def test_no_layer_of_a_runnable_policy_falls_back_to_emulation():
     kinds = Counter((op.name, op.dtypes[0]) for op in rec.matmuls() if op.name != "_scaled_mm")
     assert all(dtype == torch.float16 for _, dtype in kinds)  # no fp32 GEMM anywhere
     assert sum(op.name == "_scaled_mm" for op in rec.matmuls()) == 3  # fc1: forward + 2
+
+
+def test_compiled_mode_refuses_a_policy_with_per_layer_rules_in_one_line(tmp_path, capsys):
+    # --mode compiled runs one 16-bit format and fp8 layers (autoprec.runtime.compiled); an fp32
+    # layer beside bf16 ones needs native mode's hooks: refused before training starts
+    path = save_policy(
+        _policy({"conv1": "bf16", "conv2": "bf16", "fc1": "fp32"}), tmp_path / "p.yaml"
+    )
+    args = ["train", "--model", "tinycnn", "--dataset", "digits", "--policy", str(path)]
+    rc = main([*args, "--mode", "compiled", "--steps", "2", "--batch-size", "16"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err
+    assert "mode compiled: a compiled program runs one 16-bit format (bf16)" in err
+    assert "fc1 (fp32)" in err and len(err.strip().splitlines()) == 1

@@ -26,7 +26,7 @@ import click
 from autoprec.cli._setup import model_shape_options
 from autoprec.cli.mlflow_options import experiment_option, no_mlflow_option, tracking_uri_option
 from autoprec.defaults import DEFAULT_DATASET, LANGUAGE_MODEL_DATASET
-from autoprec.policy_fields import TARGET_MODES
+from autoprec.policy_fields import COMPILED, TARGET_MODES
 
 
 @click.command()
@@ -61,7 +61,13 @@ from autoprec.policy_fields import TARGET_MODES
 )
 @click.option("--checkpoint-every", type=int, default=None, help="Also every N steps.")
 @click.option("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available).")
-@click.option("--mode", type=click.Choice(TARGET_MODES), default="auto", show_default=True)
+@click.option(
+    "--mode",
+    type=click.Choice((*TARGET_MODES, COMPILED)),
+    default="auto",
+    show_default=True,
+    help="compiled: native's program under torch.compile (one 16-bit format and fp8 layers).",
+)
 @click.option("--seed", type=int, default=0, show_default=True)
 @no_mlflow_option("the run")
 @tracking_uri_option

@@ -223,7 +223,7 @@ class PolicyHandle:
         _applied[layer.runner] = _applied[module]
 
 
-def _resolve(model: nn.Module, policy: Any) -> dict[str, Precision]:
+def resolve_layers(model: nn.Module, policy: Any) -> dict[str, Precision]:
     """The layers ``policy`` puts under the runtime; a mapping (read as
     :meth:`PrecisionPolicy.coerce` reads it) puts only those it names, exactly or by pattern."""
     coerced = PrecisionPolicy.coerce(policy)
@@ -236,13 +236,13 @@ def _resolve(model: nn.Module, policy: Any) -> dict[str, Precision]:
     return coerced.resolve(model, named_only=True)
 
 
-def _device_type(model: nn.Module) -> str:
+def model_device_type(model: nn.Module) -> str:
     param = next(model.parameters(), None)
     return param.device.type if param is not None else "cpu"
 
 
 def _pick_mode(model: nn.Module, mode: str) -> str:
-    return resolve_mode(mode, _device_type(model))
+    return resolve_mode(mode, model_device_type(model))
 
 
 def apply_policy(
@@ -282,7 +282,7 @@ def apply_policy(
         model = model.module
     guard = guard or GuardConfig()
     mode = _pick_mode(model, mode)
-    precisions = _resolve(model, policy)
+    precisions = resolve_layers(model, policy)
     modules = dict(model.named_modules())
     busy = [n for n in precisions if modules[n] in _applied]
     if busy:
@@ -290,7 +290,7 @@ def apply_policy(
             f"layer {busy[0]!r} is already under a policy ({_applied[modules[busy[0]]]}); "
             "call remove() on the earlier handle before applying another policy"
         )
-    device_type = _device_type(model)
+    device_type = model_device_type(model)
     handle = PolicyHandle(model, mode, guard)
     handle.region_format = region_of(precisions)
     unlisted: dict[str, nn.Module] = {}

@@ -1,0 +1,101 @@
+"""What :func:`autoprec.train.train` checks before it starts: its settings, the device, the
+runtime mode and whether the policy fits the model (and, natively, the device); each refusal is
+a one-line error of its own class."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from autoprec.policy import PrecisionPolicy, resolve_mode
+from autoprec.runtime.compiled import COMPILED, NotCompilableError, check_compilable
+
+__all__ = [
+    "PolicyMismatchError",
+    "TrainConfigError",
+    "check_policy",
+    "check_settings",
+    "pick_device",
+    "pick_mode",
+]
+
+
+class PolicyMismatchError(ValueError):
+    """The policy does not fit the model (or the device): it was made for something else."""
+
+
+class TrainConfigError(ValueError):
+    """Training settings that cannot work (both steps and epochs, a batch larger than the data)."""
+
+
+def check_settings(
+    counts: dict[str, int | None], checkpoint_every: int | None, lr: float, momentum: float
+) -> None:
+    """``counts``: ``steps``, ``epochs``, ``batch_size`` and ``grad_accum``."""
+    steps, epochs = counts["steps"], counts["epochs"]
+    if steps is not None and epochs is not None:
+        raise TrainConfigError(
+            f"give steps or epochs, not both (got steps={steps}, epochs={epochs})"
+        )
+    for name, value in {**counts, "checkpoint_every": checkpoint_every}.items():
+        if value is None and name in ("steps", "epochs", "checkpoint_every"):
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise TrainConfigError(f"{name} must be an integer >= 1, got {value!r}")
+    if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+        raise TrainConfigError(f"lr must be a finite number > 0, got {lr!r}")
+    if not (isinstance(momentum, (int, float)) and 0 <= momentum < 1):
+        raise TrainConfigError(f"momentum must be in [0, 1), got {momentum!r}")
+
+
+def pick_device(device: str | torch.device | None, local_rank: int | None) -> torch.device:
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(device)
+    except RuntimeError as err:
+        raise TrainConfigError(f"invalid device {device!r}: {err}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise TrainConfigError("device cuda was asked for, but CUDA is not available")
+        if dev.index is None:
+            dev = torch.device("cuda", local_rank if local_rank is not None else 0)
+    return dev
+
+
+def pick_mode(mode: str, dev: torch.device) -> str:
+    """The runtime mode of a run: :func:`resolve_mode`'s, or ``compiled`` (native's program
+    under ``torch.compile``, :mod:`autoprec.runtime.compiled`)."""
+    if mode == COMPILED:
+        return mode
+    try:
+        return resolve_mode(mode, dev.type)
+    except ValueError as err:  # a user's setting: the one-line error of the other settings
+        raise TrainConfigError(str(err)) from None
+
+
+def check_policy(spec: Any, policy: PrecisionPolicy, dev: torch.device, mode: str) -> None:
+    """Raise :class:`PolicyMismatchError` unless ``policy`` fits the model (and device)."""
+    target = None
+    if mode in ("native", COMPILED):  # emulation runs every precision anywhere
+        from autoprec.runtime.native import local_device  # what apply_policy will check
+
+        target = local_device(dev.type)
+    report = policy.validate(spec.module, target)
+    if report.ok:
+        if mode == COMPILED:
+            try:
+                check_compilable(spec.module, policy)
+            except NotCompilableError as err:
+                raise PolicyMismatchError(f"mode {COMPILED}: {err}") from None
+        return
+    made_for = policy.model.name if policy.model is not None else None
+    origin = f"it was made for model {made_for!r}" if made_for else "it names no model"
+    where = f" on {target.name} (native mode)" if target is not None and report.unsupported else ""
+    problems = "; ".join(f"({i}) {p}" for i, p in enumerate(report.problems, 1))
+    raise PolicyMismatchError(
+        f"the policy does not fit model {getattr(spec, 'name', '?')!r}{where} ({origin}): "
+        f"{problems}"
+    )
