@@ -200,8 +200,8 @@ def section(results: list[dict], args: Args) -> str:
         parts += [
             f"**{r['target']}** (search wall time {r['wall_s'] / 60:.1f} min at one thread on "
             f"{r.get('date', 'an unrecorded date')}, a figure of how busy the machine was, not of "
-            "the search; targets share one cache: the warm start, the sensitivities and every "
-            "policy either run evaluated)",
+            "the search; targets run in one process share one cache: the warm start, the "
+            "sensitivities and every policy either run evaluated)",
             "",
             md_table(
                 [
@@ -236,11 +236,10 @@ def section(results: list[dict], args: Args) -> str:
     parts += [
         "Reading the comparison. On both targets the search exports torchao's own auto filter "
         "(tensorwise fp8 on every Linear but the eight K=4096, N=1024 key and value "
-        "projections); on h100-sxm exactly that map since the cost model prices loss scaling "
-        "(2026-12-04: an fp16 layer brings GradScaler's unscale pass, which an H200 measured), "
-        "on b200 (searched 2026-12-02, before that) with some of the rule's bf16 layers at fp16, "
-        "which then cost the same. Its reward is the rule's, or above it only in the fourth or "
-        "fifth decimal, fine-tuning noise, and its loss delta is above the rules that keep more "
+        "projections), exactly that map since the cost model prices loss scaling (2026-12-04: "
+        "an fp16 layer brings GradScaler's unscale pass, which an H200 measured; before, the "
+        "exports had some of the rule's bf16 layers at fp16, which then cost the same). Its "
+        "reward is the rule's, and its loss delta is above the rules that keep more "
         "layers wide (all of them within "
         "+0.0006 of fp32, where the reward's tolerance is 0.05). Under the cost model that map is "
         "the per-layer optimum on these shapes: the key and value projections are faster in "
