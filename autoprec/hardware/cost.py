@@ -349,7 +349,7 @@ class CostModel:
         if flow is not None:  # the runtime's own casts (autoprec.hardware.program)
             cast_s = self._casts_s(self.program(table, precision_for), scale)
         optimizer_s = self._memory_s(OPTIMIZER_BYTES_PER_PARAM[opt] * params, len(table.rows))
-        if _unscales(policy, {row.name: precision_for(row.name) for row in table.rows}):
+        if _unscales(policy, lambda: {row.name: precision_for(row.name) for row in table.rows}):
             optimizer_s += self._memory_s(UNSCALE_BYTES_PER_PARAM * params, 1)
         forward_s = sum(c.forward_s for c in layers)
         backward_s = sum(c.backward_s for c in layers)
@@ -430,13 +430,13 @@ def _precision_lookup(policy: Any) -> Any:
         ) from None
 
 
-def _unscales(policy: Any, precisions: Mapping[str, Precision]) -> bool:
+def _unscales(policy: Any, precisions: Any) -> bool:
     """Whether a step under ``policy`` unscales its gradients (see the module docstring)."""
     from autoprec.policy import PrecisionPolicy
     from autoprec.policy_fields import loss_scaling_for
 
     fixed = isinstance(policy, PrecisionPolicy)
-    scaling = policy.loss_scaling if fixed else loss_scaling_for(precisions)
+    scaling = policy.loss_scaling if fixed else loss_scaling_for(precisions())
     return scaling is not None and scaling.kind != "none"
 
 

@@ -42,13 +42,13 @@ class NotCompilableError(ValueError):
 def _region_forward(forward: Callable, device_type: str, dtype: torch.dtype, *args, **kwargs):
     with torch.autocast(device_type, dtype=dtype):
         out = forward(*args, **kwargs)
-    low = (torch.bfloat16, torch.float16)
+    low = tuple(native.LOW_DTYPES.values())
     return tree_map_only(torch.Tensor, lambda t: t.float() if t.dtype in low else t, out)
 
 
 def _fp8_forward(forward: Callable, device_type: str, dtype: torch.dtype, x, *args, **kwargs):
     with torch.autocast(device_type, enabled=False):
-        return forward(x.to(dtype) if x.is_floating_point() else x, *args, **kwargs)
+        return forward(native.cast_floating(x, dtype), *args, **kwargs)
 
 
 class CompiledPolicy:
