@@ -10,8 +10,17 @@ kernels (AUTOPREC_COMPILE=1 while they run); the timed rounds use the default di
 table is the steady state. What building costs on a first run is bench_kernels.py's
 "first run" table.
 
+``--floor`` measures what any emulation of this program must cost, side by side with the
+shipped one: instrumented copies of the emulated models whose casts (every stream of every
+layer, the same calls in the same places) are replaced by the identity (what the hooks and
+autograd functions cost alone), by one plain copy of the tensor (the least an emulation that
+writes each rounded tensor once can cost, whatever its rounding kernel), and, for bf16, by
+torch's own cast to bf16 and back without the overflow/underflow counts. These are measurements
+of the cost structure, not shipped behaviour; they go to their own section.
+
     python experiments/bench_runtime.py                 # print the table
     python experiments/bench_runtime.py --write-docs    # also update docs/benchmarks.md
+    python experiments/bench_runtime.py --floor --repeats 30 --write-docs
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ class Args:
     repeats: int = 15
     warmup: int = 3
     write_docs: bool = False
+    floor: bool = False
 
 
 TARGETS = {
@@ -52,8 +62,44 @@ def parse() -> Args:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=a.repeats)
     p.add_argument("--write-docs", action="store_true")
+    p.add_argument("--floor", action="store_true", help="add the instrumented floor rows")
     ns = p.parse_args()
-    return Args(repeats=ns.repeats, write_docs=ns.write_docs)
+    return Args(repeats=ns.repeats, write_docs=ns.write_docs, floor=ns.floor)
+
+
+class _Replaced:
+    """Stands in for one stream's caster of an instrumented model: ``fn`` instead of the
+    rounding, no counts."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x.detach())
+
+    def counts(self) -> tuple[int, int]:
+        return 0, 0
+
+
+# the floor rows: (label, policy, what every cast does instead of rounding)
+FLOOR = {
+    "bf16, every cast the identity": ("bf16", lambda x: x),
+    "bf16, every cast one plain copy": ("bf16", lambda x: x.clone()),
+    "bf16, torch's cast to bf16 and back, uncounted": (
+        "bf16",
+        lambda x: x.to(torch.bfloat16).to(torch.float32),
+    ),
+    "fp8, every cast the identity": ("fp8", lambda x: x),
+    "fp8, every cast one plain copy": ("fp8", lambda x: x.clone()),
+}
+
+
+def instrument(handle, fn) -> None:
+    """Replace every caster of every layer under ``handle`` by ``fn`` (see ``--floor``)."""
+    for layer in handle.layers.values():
+        casters = layer.casts._casts  # the experiment reaches in on purpose
+        for stream in casters:
+            casters[stream] = _Replaced(fn)
 
 
 def make_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor):
@@ -84,6 +130,10 @@ def main() -> None:
         model = copy.deepcopy(base)
         if policy is not None:
             handles.append(apply_policy(model, policy, mode="emulate"))
+        steps[name] = make_step(model, x, y)
+    for name, (policy, fn) in FLOOR.items() if args.floor else ():
+        model = copy.deepcopy(base)
+        instrument(apply_policy(model, policy, mode="emulate"), fn)
         steps[name] = make_step(model, x, y)
     setting = os.environ.setdefault("AUTOPREC_COMPILE", "1")  # build the kernels now
     for _ in range(args.warmup):
@@ -121,7 +171,17 @@ def main() -> None:
         "per-tensor scaling) and counts overflows/underflows."
     )
     table = "\n".join(lines)
-    publish("bench_runtime", f"## Runtime overhead\n\n{header}\n\n{table}\n", args)
+    if not args.floor:
+        publish("bench_runtime", f"## Runtime overhead\n\n{header}\n\n{table}\n", args)
+        return
+    header = header.replace("--write-docs", f"--floor --repeats {args.repeats} --write-docs")
+    header = header.replace("the four cases", f"the {len(steps)} cases") + (
+        " The rows after the fourth are instrumented copies of the emulated models (`--floor` in "
+        "the script's docstring): every caster of every layer replaced as the row says, the "
+        "same calls in the same places, nothing counted."
+    )
+    body = f"## Runtime overhead: the floor of an emulation\n\n{header}\n\n{table}\n"
+    publish("bench_runtime_floor", body, args)
 
 
 if __name__ == "__main__":

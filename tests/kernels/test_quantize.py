@@ -232,3 +232,24 @@ def test_quantize_with_counts(name, saturate, backend):
     tiny = torch.tensor([fmt.min_subnormal / 4, -fmt.min_subnormal / 4, 0.0, 1.0])
     _, over, under = quantize_with_counts(tiny, name, saturate, backend=backend)
     assert (over.item(), under.item()) == (0, 2)
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2", "fp16"])
+def test_the_float_split_is_torchs_cast_on_every_value_of_whole_binades(name):
+    """round_split against torch's cast on every fp32 value (ties included) of the binades
+    where its rules meet: the largest (up to max_finite), the lowest normal, one between, the
+    highest subnormal one, and both signs; plus random values down to fp32's subnormals."""
+    from autoprec.kernels.quantize import round_split, splits
+
+    fmt = get_format(name)
+    assert splits(fmt) and not splits(get_format("bf16"))
+    mantissas = torch.arange(1 << 23, dtype=torch.int32)
+    low = fmt.min_exponent
+    for exponent in (fmt.max_exponent, low, (low + fmt.max_exponent) // 2, low - 1):
+        v = (((exponent + 127) << 23) | mantissas).view(torch.float32)
+        v = v[v <= fmt.max_finite]
+        for x in (v, -v):
+            assert_same_bits(round_split(x, fmt), x.to(fmt.torch_dtype).float(), x)
+    tiny = torch.randn(200_000) * torch.logspace(-45, 0, 200_000) * fmt.min_normal
+    tiny = torch.cat([tiny, torch.tensor([0.0, -0.0, 1e-45, -1e-45])])
+    assert_same_bits(round_split(tiny, fmt), tiny.to(fmt.torch_dtype).float(), tiny)
