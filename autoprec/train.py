@@ -55,8 +55,9 @@ from autoprec.checkpoint import (
 from autoprec.distributed import StopFn, any_rank, dist_env, leave_group, sum_over_ranks
 from autoprec.layers import model_fingerprint
 from autoprec.policy import PrecisionPolicy
+from autoprec.policy_fields import COMPILED
 from autoprec.runtime import LossScaler, apply_policy
-from autoprec.runtime.compiled import COMPILED, compile_policy
+from autoprec.runtime.compiled import compile_policy
 from autoprec.train_checks import (
     PolicyMismatchError,
     TrainConfigError,

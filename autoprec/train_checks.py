@@ -10,7 +10,8 @@ from typing import Any
 import torch
 
 from autoprec.policy import PrecisionPolicy, resolve_mode
-from autoprec.runtime.compiled import COMPILED, NotCompilableError, check_compilable
+from autoprec.policy_fields import COMPILED
+from autoprec.runtime.compiled import NotCompilableError, check_compilable
 
 __all__ = [
     "PolicyMismatchError",

@@ -83,7 +83,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -430,7 +430,7 @@ def _precision_lookup(policy: Any) -> Any:
         ) from None
 
 
-def _unscales(policy: Any, precisions: Any) -> bool:
+def _unscales(policy: Any, precisions: Callable[[], Mapping[str, Precision]]) -> bool:
     """Whether a step under ``policy`` unscales its gradients (see the module docstring)."""
     from autoprec.policy import PrecisionPolicy
     from autoprec.policy_fields import loss_scaling_for

@@ -28,22 +28,23 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from autoprec.hardware.program import region_of
-from autoprec.policy_fields import COMPILED
 from autoprec.precision import Precision
 from autoprec.runtime import native
 
-__all__ = ["COMPILED", "CompiledPolicy", "NotCompilableError", "check_compilable", "compile_policy"]
+__all__ = ["CompiledPolicy", "NotCompilableError", "check_compilable", "compile_policy"]
 
 
 class NotCompilableError(ValueError):
     """The policy needs native mode's per-layer rules, which ``torch.compile`` cannot trace."""
 
 
+_LOW = tuple(native.LOW_DTYPES.values())
+
+
 def _region_forward(forward: Callable, device_type: str, dtype: torch.dtype, *args, **kwargs):
     with torch.autocast(device_type, dtype=dtype):
         out = forward(*args, **kwargs)
-    low = tuple(native.LOW_DTYPES.values())
-    return tree_map_only(torch.Tensor, lambda t: t.float() if t.dtype in low else t, out)
+    return tree_map_only(torch.Tensor, lambda t: t.float() if t.dtype in _LOW else t, out)
 
 
 def _fp8_forward(forward: Callable, device_type: str, dtype: torch.dtype, x, *args, **kwargs):
