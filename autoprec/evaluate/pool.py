@@ -16,17 +16,24 @@ worker of a pool runs the same number of threads, ``torch.get_num_threads() // w
 policy submitted to the pool always runs there. A pool that cannot start or whose worker dies,
 and a run that fails to come back, cost one warning: the evaluator then runs that policy itself.
 Workers ignore Ctrl-C: the evaluator's owner closes the pool (:meth:`close` stops the workers
-without waiting for their runs). Runs measured on a GPU never use a pool (they would be timed
-side by side).
+without waiting for their runs). Workers die with their parent, however it ends (SIGKILL
+included): on Linux the kernel kills them (``PR_SET_PDEATHSIG``), and everywhere a watchdog
+thread in each worker exits once its parent is gone (:func:`die_with_parent`); the
+multiprocessing resource tracker then sees its pipe close and exits too. Runs measured on a GPU
+never use a pool (they would be timed side by side).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import multiprocessing
+import os
 import pickle
 import signal
+import sys
+import threading
 import time
 import warnings
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -41,10 +48,37 @@ from autoprec.kernels.dispatch import expect_long_run
 log = logging.getLogger(__name__)
 
 _WORKER: dict[str, Any] = {}  # a worker process's warm start, fine-tuner and mode
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent thread ends
+WATCHDOG_EVERY_S = 0.5  # how often a worker's watchdog looks for its parent
 
 
-def _start_worker(payload: bytes, threads: int) -> None:
-    """A worker's initializer: its threads, no Ctrl-C (the pool's owner stops it), its parts."""
+def die_with_parent(parent: int, kernel: bool) -> None:
+    """End this process as soon as process ``parent`` (which started it) is gone.
+
+    A watchdog thread polls :func:`os.getppid` (a child whose parent died is handed to another
+    process) and exits the process once it changes. With ``kernel`` on Linux, the kernel also
+    sends SIGKILL at once when the parent ends (``prctl(PR_SET_PDEATHSIG)``); that signal
+    follows the *thread* that started this process, so ``kernel`` only where that was the
+    parent's main thread. A parent already gone ends this process now.
+    """
+    if kernel and sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):  # no libc prctl: the watchdog stays
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(WATCHDOG_EVERY_S)
+        os._exit(1)
+
+    if os.getppid() != parent:  # it died before the death signal was set: nothing would come
+        os._exit(1)
+    threading.Thread(target=watch, name="autoprec-parent-watchdog", daemon=True).start()
+
+
+def _start_worker(payload: bytes, threads: int, parent: int, kernel: bool) -> None:
+    """A worker's initializer: it dies with ``parent``, its threads, no Ctrl-C (the pool's
+    owner stops it), its parts."""
+    die_with_parent(parent, kernel)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(threads)
     # a worker runs whole fine-tunes: its rounding kernels pay for compiling at once, and it
@@ -83,12 +117,19 @@ class EvaluationPool:
         self.workers = workers
         self.threads = max(1, torch.get_num_threads() // workers)
         payload = pickle.dumps((warm, tuner, mode), protocol=pickle.HIGHEST_PROTOCOL)
+        # every worker starts now, from this thread (``_launch_processes``, private since 3.9;
+        # without it, at the submits): the kernel's death signal may follow the thread only
+        # when it is the main one (another could end before the process does)
+        launches = hasattr(ProcessPoolExecutor, "_launch_processes")
+        kernel = launches and threading.current_thread() is threading.main_thread()
         self._executor: ProcessPoolExecutor | None = ProcessPoolExecutor(
             workers,
             mp_context=multiprocessing.get_context("spawn"),
             initializer=_start_worker,
-            initargs=(payload, self.threads),
+            initargs=(payload, self.threads, os.getpid(), kernel),
         )
+        if launches:
+            self._executor._launch_processes()
         self._futures: dict[str, Future] = {}
 
     @property

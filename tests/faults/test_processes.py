@@ -1,0 +1,130 @@
+"""A search's processes, progress and tracking under kills (issue 34).
+
+The kills need real processes: ``autoprec search`` runs in a subprocess, its descendants are
+read from ``/proc``, and after SIGKILL of the search every one of them must be gone within a
+bounded wait (its evaluation workers and multiprocessing's resource tracker).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+
+CLI = [sys.executable, "-c", "import sys; from autoprec.cli import main; sys.exit(main())"]
+GONE_WITHIN_S = 20.0  # after SIGKILL of a parent, its descendants are gone by then
+START_WITHIN_S = 240.0  # a search reaches its workers by then, even on a loaded machine
+
+
+def _parent_and_state(pid: int) -> tuple[int, str] | None:
+    """``(parent pid, state letter)`` of a live process, None when it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    return int(fields[1]), fields[0]
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (children, their children, ...)."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (found := _parent_and_state(int(entry.name))) is not None:
+            parents[int(entry.name)] = found[0]
+    below, todo = set(), [pid]
+    while todo:
+        parent = todo.pop()
+        for child, its_parent in parents.items():
+            if its_parent == parent and child not in below:
+                below.add(child)
+                todo.append(child)
+    return below
+
+
+def alive(pids: set[int]) -> set[int]:
+    """Those of ``pids`` still running (a zombie is gone: it only waits to be reaped)."""
+    return {pid for pid in pids if (found := _parent_and_state(pid)) and found[1] != "Z"}
+
+
+def command(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]
+    except OSError:
+        return "?"
+
+
+def wait_gone(pids: set[int]) -> set[int]:
+    """Poll up to :data:`GONE_WITHIN_S` until none of ``pids`` runs; those still running (each
+    then killed, so that a failing test leaves no orphan behind)."""
+    deadline = time.monotonic() + GONE_WITHIN_S
+    while alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = alive(pids)
+    named = {pid: command(pid) for pid in left}
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    return set(named.items())
+
+
+def test_sigkill_of_a_search_leaves_no_worker_nor_resource_tracker(tmp_path):
+    env = {**os.environ, "AUTOPREC_CACHE_DIR": str(tmp_path / "cache")}
+    args = ["search", "--model", "tinycnn", "--train-batch-size", "32", "--no-mlflow"]
+    # evaluations long enough that the search is still running when it is killed
+    args += ["--agent", "random", "--budget", "50", "--steps", "400", "--workers", "2"]
+    log = tmp_path / "stderr.txt"
+    with log.open("w") as err:
+        proc = subprocess.Popen(
+            [*CLI, *args, "--out", str(tmp_path / "best.yaml")], env=env, stderr=err, cwd=tmp_path
+        )
+    try:
+        deadline = time.monotonic() + START_WITHIN_S
+        workers: set[int] = set()
+        while len(workers) < 2 and time.monotonic() < deadline:
+            assert proc.poll() is None, f"the search ended first: {log.read_text()[-2000:]}"
+            below = descendants(proc.pid)
+            workers = {pid for pid in below if "spawn_main" in command(pid)}
+            time.sleep(0.2)
+        assert len(workers) == 2, f"no 2 workers in {START_WITHIN_S:g} s: {log.read_text()[-2000:]}"
+        below = descendants(proc.pid)  # the workers and the resource tracker
+        assert any("resource_tracker" in command(pid) for pid in below), below
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    assert wait_gone(below) == set(), "orphans after SIGKILL of the search"
+
+
+WATCHED = """
+import os, sys, time
+from autoprec.evaluate.pool import die_with_parent
+die_with_parent(os.getppid(), kernel=False)
+print(os.getpid(), flush=True)
+time.sleep(120)
+"""
+MIDDLE = """
+import subprocess, sys, time
+subprocess.Popen([sys.executable, "-c", sys.argv[1]])
+time.sleep(120)
+"""
+
+
+def test_without_the_kernels_signal_the_watchdog_ends_a_worker_whose_parent_died():
+    """The portable half of :func:`die_with_parent`: a process whose parent is SIGKILLed
+    exits on its own (no ``prctl``), as a worker does off Linux."""
+    middle = subprocess.Popen(
+        [sys.executable, "-c", MIDDLE, WATCHED], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        child = int(middle.stdout.readline())  # printed once it watches
+        assert alive({child}) == {child}
+    finally:
+        middle.kill()
+        middle.wait(timeout=30)
+    assert wait_gone({child}) == set(), "the watched process outlived its parent"
