@@ -69,3 +69,14 @@ def check_compile_environment() -> None:
     compile_setting()
     for name in COMPILE_SECONDS_ENV:
         env_seconds(name, 0.0)
+
+
+# The largest search budget (real evaluations) a search accepts: each evaluation is a
+# fine-tune of seconds to minutes, so more than this is a mistake (`budget: 10**400`), and the
+# agents size their work by the budget before the first evaluation.
+MAX_BUDGET = 10_000
+
+# The largest batch size and image side a command accepts, before any memory check: beyond
+# them a batch's element count nears what a tensor can index (2**63), and no machine holds it.
+MAX_BATCH_SIZE = 2**24
+MAX_IMAGE_SIZE = 2**16

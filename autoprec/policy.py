@@ -167,7 +167,7 @@ class PrecisionPolicy:
     model: ModelInfo | None = None
     target: TargetInfo | None = None
     metrics: Mapping[str, float] = field(default_factory=_FrozenMap)
-    provenance: Mapping[str, str] = field(default_factory=_FrozenMap)
+    provenance: Mapping[str, str | int | float] = field(default_factory=_FrozenMap)
     verification: VerificationInfo | None = None
 
     def __post_init__(self) -> None:

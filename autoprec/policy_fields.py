@@ -76,6 +76,81 @@ def finite(value: object) -> bool:
         return False
 
 
+#: The largest finite float32: a loss scale above it is infinite in the scaler's fp32 tensor.
+FLOAT32_MAX = 3.4028234663852886e38
+#: The largest int32: a step count held in an int tensor (the loss scaler's growth tracker).
+INT32_MAX = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class NumberRange:
+    """The type and range of a numeric field, checked wherever the field is read.
+
+    Every numeric setting (policy fields, search options, command-line options) is checked by
+    one of these, so that ``true``, ``1.5`` for a count and ``10**400`` are refused in one line
+    naming the field instead of being taken as 1 or overflowing later.
+
+    Args:
+        integer: an int is required (a float such as 2.0 is not one); otherwise any finite int
+            or float.
+        low, high: the bounds, inclusive unless ``open_low`` / ``open_high``.
+        example: a sensible value, shown in the error.
+
+    Example:
+        >>> NumberRange(integer=True, low=1).problem(True)
+        'an integer >= 1; got True (bool)'
+    """
+
+    integer: bool = False
+    low: float | None = None
+    high: float | None = None
+    open_low: bool = False
+    open_high: bool = False
+    example: str | None = None
+
+    def describe(self) -> str:
+        """What the field must be, e.g. ``"an integer between 1 and 10,000"``."""
+        noun = "an integer" if self.integer else "a number"
+        low, high = _shown(self.low), _shown(self.high)
+        if self.low is not None and self.high is not None and not (self.open_low or self.open_high):
+            text = f"{noun} between {low} and {high}"
+        else:
+            bounds = []
+            if self.low is not None:
+                bounds.append(f"{'>' if self.open_low else '>='} {low}")
+            if self.high is not None:
+                bounds.append(f"{'<' if self.open_high else '<='} {high}")
+            text = " and ".join([f"{noun} {bounds[0]}", *bounds[1:]]) if bounds else noun
+        return f"{text}, e.g. {self.example}" if self.example else text
+
+    def contains(self, value: object) -> bool:
+        """Whether ``value`` has the right type and lies in the range."""
+        if self.integer and not (isinstance(value, int) and not isinstance(value, bool)):
+            return False
+        if not finite(value):
+            return False
+        if self.low is not None and (value <= self.low if self.open_low else value < self.low):
+            return False
+        if self.high is not None and (value >= self.high if self.open_high else value > self.high):
+            return False
+        return True
+
+    def problem(self, value: object) -> str | None:
+        """None for a good value, else ``"<expected>; got <excerpt> (<type>)<hint>"``."""
+        if self.contains(value):
+            return None
+        hint = "" if self.integer and is_number(value) else yaml_hint(value)
+        return f"{self.describe()}; got {kind(value)}{hint}"
+
+
+def _shown(bound: float | None) -> str:
+    if bound is None:
+        return ""
+    if isinstance(bound, int) or float(bound).is_integer() and abs(bound) < 1e15:
+        return f"{int(bound):,}"
+    return f"{bound:.3g}"
+
+
 def yaml_hint(value: object) -> str:
     """A hint for '1e5'-style strings, which YAML 1.1 reads as text, and for huge integers."""
     if is_number(value) and not finite(value) and isinstance(value, int):
@@ -153,27 +228,34 @@ class LossScalingConfig:
     growth_interval: int = 2000
 
     def __post_init__(self) -> None:
-        def bad(name: str, expected: str, value: object) -> PolicyError:
-            return PolicyError(
-                f"loss_scaling.{name} must be {expected}; got {kind(value)}{yaml_hint(value)}",
-                field=("loss_scaling", name),
-            )
-
         if self.kind not in LOSS_SCALING_KINDS:
-            raise bad("kind", f"one of {', '.join(LOSS_SCALING_KINDS)}", self.kind)
-        checks = {
-            "init_scale": ("a number > 0, e.g. 32768", lambda v: v > 0),
-            "growth_factor": ("a number > 1, e.g. 2.0", lambda v: v > 1),
-            "backoff_factor": ("a number between 0 and 1, e.g. 0.5", lambda v: 0 < v < 1),
-        }
-        for name, (expected, ok) in checks.items():
+            raise PolicyError(
+                f"loss_scaling.kind must be one of {', '.join(LOSS_SCALING_KINDS)}; got "
+                f"{kind(self.kind)}",
+                field=("loss_scaling", "kind"),
+            )
+        for name, bounds in LOSS_SCALING_RANGES.items():
             value = getattr(self, name)
-            if not finite(value) or not ok(value):
-                raise bad(name, expected, value)
-            object.__setattr__(self, name, float(value))
-        interval = self.growth_interval
-        if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
-            raise bad("growth_interval", "an integer >= 1, e.g. 2000", interval)
+            check_number(value, bounds, f"loss_scaling.{name}", ("loss_scaling", name))
+            if not bounds.integer:
+                object.__setattr__(self, name, float(value))
+
+
+def check_number(value: object, bounds: NumberRange, name: str, path: Field) -> None:
+    """Raise :class:`PolicyError` at ``path`` unless ``value`` is in ``bounds``."""
+    problem = bounds.problem(value)
+    if problem is not None:
+        raise PolicyError(f"{name} must be {problem}", field=path)
+
+
+#: The range of each numeric field of ``loss_scaling``: a scale must be a finite float32 (the
+#: scaler holds it in one), the growth interval an int32 step count.
+LOSS_SCALING_RANGES = {
+    "init_scale": NumberRange(low=0, open_low=True, high=FLOAT32_MAX, example="32768"),
+    "growth_factor": NumberRange(low=1, open_low=True, high=FLOAT32_MAX, example="2.0"),
+    "backoff_factor": NumberRange(low=0, high=1, open_low=True, open_high=True, example="0.5"),
+    "growth_interval": NumberRange(integer=True, low=1, high=INT32_MAX, example="2000"),
+}
 
 
 def loss_scaling_for(assignment: Mapping[str, Any]) -> LossScalingConfig | None:
@@ -203,13 +285,12 @@ class ModelInfo:
                 raise PolicyError(
                     f"model.{name} must be a string; got {kind(value)}", field=("model", name)
                 )
-        count = self.tunable_layers
-        if count is not None and (
-            not isinstance(count, int) or isinstance(count, bool) or count < 0
-        ):
-            raise PolicyError(
-                f"model.tunable_layers must be an integer >= 0; got {kind(count)}",
-                field=("model", "tunable_layers"),
+        if self.tunable_layers is not None:
+            check_number(
+                self.tunable_layers,
+                NumberRange(integer=True, low=0, high=INT32_MAX),
+                "model.tunable_layers",
+                ("model", "tunable_layers"),
             )
 
 
@@ -352,18 +433,18 @@ def check_metric(value: object, path: Field) -> float:
     return float(value)
 
 
-def check_provenance(value: object, path: Field) -> str:
-    """A provenance value as a string; a date (YAML reads one unquoted) or a number is written
-    out."""
-    if isinstance(value, str):
+def check_provenance(value: object, path: Field) -> str | int | float:
+    """A provenance value: a string, or a number kept as one (``budget: 12``, not ``'12'``); a
+    date (YAML reads one unquoted) is written out as text."""
+    if isinstance(value, str) or (is_number(value) and finite(value)):
         return value
     if isinstance(value, (datetime.date, datetime.datetime)):
         return value.isoformat()
-    if is_number(value):
-        return str(value)
+    if isinstance(value, bool):
+        return str(value).lower()
     raise PolicyError(
-        f"provenance.{excerpt(path[1], quote=False)} must be a string; got {kind(value)}; "
-        "quote the value",
+        f"provenance.{excerpt(path[1], quote=False)} must be a string or a finite number; got "
+        f"{kind(value)}; quote the value",
         field=path,
     )
 

@@ -50,6 +50,8 @@ __all__ = [
 YAML_SUFFIXES = (".yaml", ".yml")
 JSON_SUFFIXES = (".json",)
 _WHAT = "policy file"
+#: Significant digits of a metric in a written file (a speedup of 2.13457, not 2.134571298...).
+METRIC_DIGITS = 6
 
 
 class _Flow(dict):
@@ -82,6 +84,8 @@ _Dumper.add_representer(
 def format_policy(policy: PrecisionPolicy, fmt: str = "yaml") -> str:
     """The text of a policy file, ``fmt`` being ``"yaml"`` or ``"json"``."""
     data = policy.to_dict()
+    if "metrics" in data:  # measurements, not more exact than their noise
+        data["metrics"] = {k: float(f"{v:.{METRIC_DIGITS}g}") for k, v in data["metrics"].items()}
     if fmt == "json":
         return json.dumps(data, indent=2, allow_nan=False) + "\n"
     if fmt != "yaml":

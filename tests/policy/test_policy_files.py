@@ -131,10 +131,10 @@ def test_save_rejects_unknown_suffix(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_provenance_dates_and_numbers_become_strings(tmp_path):
+def test_provenance_dates_become_strings_and_numbers_stay_numbers(tmp_path):
     text = "autoprec_policy: 1\ndefault: fp32\nprovenance: {created: 2024-05-01, run: 12}\n"
     policy = load_policy(write(tmp_path, text))
-    assert dict(policy.provenance) == {"created": "2024-05-01", "run": "12"}
+    assert dict(policy.provenance) == {"created": "2024-05-01", "run": 12}
 
 
 @pytest.mark.parametrize("failing", ["os.replace", "yaml.dump"])
@@ -247,14 +247,14 @@ FIELD_ERRORS = [
         "init_scale_not_a_number",
         HEAD + "loss_scaling:\n  kind: static\n  init_scale: big\n",
         5,
-        "loss_scaling.init_scale must be a number > 0, e.g. 32768; got 'big' (str)",
+        "loss_scaling.init_scale must be a number > 0 and <= 3.4e+38, e.g. 32768; got 'big' (str)",
     ),
     (
         "init_scale_yaml_exponent",
         HEAD + "loss_scaling: {init_scale: 1e5}\n",
         3,
-        "loss_scaling.init_scale must be a number > 0, e.g. 32768; got '1e5' (str); it is a "
-        "string (YAML 1.1 needs a dot and a signed exponent: 1.0e+5)",
+        "loss_scaling.init_scale must be a number > 0 and <= 3.4e+38, e.g. 32768; "
+        "got '1e5' (str); it is a string (YAML 1.1 needs a dot and a signed exponent: 1.0e+5)",
     ),
     (
         "metric_not_a_number",
