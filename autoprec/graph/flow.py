@@ -23,7 +23,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from autoprec.hardware.program import ATTENTION_OP, MATMUL_OPS, Flow, FlowOp, FlowTensor
+from autoprec.hardware.program import (
+    ATTENTION_OP,
+    MATMUL_OPS,
+    Flow,
+    FlowOp,
+    FlowTensor,
+    view_root,
+)
 
 __all__ = ["FlowRecorder", "record_flow", "recording"]
 
@@ -114,8 +121,8 @@ class FlowRecorder(TorchDispatchMode):
             layer = self.current_attention or (owners.pop() if len(owners) == 1 else "")
         out_ids = []
         for t in out_floats:
-            if inplace and t in self._ids:  # the mutated input itself
-                out_ids.append(self._ids[t])
+            if t in self._ids:  # the mutated input itself, or an argument returned as it is
+                out_ids.append(self._ids[t])  # (lift_fresh: no view of itself)
                 continue
             out_ids.append(self.tensor_id(t))
             if view and arg_ids:  # a view of a weight stays that weight's
@@ -132,9 +139,7 @@ class FlowRecorder(TorchDispatchMode):
         )
 
     def _root_layer(self, index: int) -> str:
-        t = self.tensors[index]
-        while t.base >= 0:
-            t = self.tensors[t.base]
+        t = self.tensors[view_root(self.tensors, index)]
         return t.layer if t.kind == "param" else ""
 
     def flow(self, output: Any) -> Flow:

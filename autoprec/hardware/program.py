@@ -58,6 +58,7 @@ __all__ = [
     "Program",
     "program",
     "region_of",
+    "view_root",
 ]
 
 #: Matrix operations as a dispatch mode sees them; ``scaled_dot_product_attention`` stands for
@@ -115,6 +116,21 @@ def region_of(precisions: Mapping[str, Any] | Iterable[Any]) -> str | None:
     return "fp16" if Precision.FP16 in values else None
 
 
+def view_root(tensors: tuple[FlowTensor, ...] | list[FlowTensor], index: int) -> int:
+    """The tensor that tensor ``index`` is a view of, following views of views.
+
+    The walk stops at a tensor that is no view, at a base outside the flow (a damaged cached
+    flow), and on a cycle: an operation that returns its own argument as a "view"
+    (``lift_fresh`` for a ``torch.tensor(...)`` made inside ``forward``) was once recorded as a
+    view of itself, and such flows may still be in the analysis cache.
+    """
+    seen = {index}
+    while 0 <= tensors[index].base < len(tensors) and tensors[index].base not in seen:
+        index = tensors[index].base
+        seen.add(index)
+    return index
+
+
 def program(
     flow: Flow,
     precisions: Mapping[str, str | Precision],
@@ -155,9 +171,7 @@ class _Replay:
         self._cached: set[tuple[int, str]] = set()
 
     def root(self, i: int) -> int:
-        while self.tensors[i].base >= 0:
-            i = self.tensors[i].base
-        return i
+        return view_root(self.tensors, i)
 
     def is_weight(self, i: int) -> bool:
         return self.tensors[self.root(i)].kind == "param"
