@@ -28,6 +28,7 @@ from autoprec.graph.table import FLOP_UNIT, TABLE_VERSION, LayerRow, LayerTable
 from autoprec.graph.trace import AtenOps, FunctionCalls, Recorder, module_hooks
 from autoprec.hardware.runnability import layer_kind
 from autoprec.layers import geometry, is_tunable, model_fingerprint, tunable_layers
+from autoprec.models.user import user_code
 
 __all__ = ["FLOP_UNIT", "AnalysisError", "LayerRow", "LayerTable", "analyze"]
 
@@ -105,7 +106,9 @@ def _analyze(spec: Any, x: torch.Tensor, y: torch.Tensor) -> LayerTable:
             ) from err
     model = copy.deepcopy(spec.module).to("cpu")
     cpu_x, cpu_y = (_real(t) for t in (x, y))
-    table = _run(spec, model, cpu_x, cpu_y)
+    head = f"model {name!r} failed on input of shape {tuple(x.shape)}: its training step"
+    with user_code(head, "its output"):  # the user's model failing: one line, its own words
+        table = _run(spec, model, cpu_x, cpu_y)
     return dataclasses.replace(table, meta_failure=failure)
 
 

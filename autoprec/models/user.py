@@ -19,6 +19,14 @@ is a factory that exits (``SystemExit``) or returns anything else than an ``nn.M
 - ``autoprec_num_classes``: when the factory does not take ``num_classes``; without it the
   number is read off one forward pass.
 
+Every call into the user's code (the factory; the model's forward and training step) goes
+through :func:`user_code`: whatever it raises becomes one :class:`ModelError` line naming the
+model, the input's shape and the model's own message. The model is run once as it is built
+(:func:`_probe`: a forward pass, then a training step on a copy), so that every command refuses
+a model that cannot run on its input before doing any work. A forward that needs more than one
+input (diffusers' UNet needs a ``timestep``), and an encoder-decoder (T5), are refused before any
+call: autoprec feeds one input tensor; wrap such a model in a module whose forward takes one.
+
 Example (``mymodels.py`` on the path):
     >>> def small(num_classes=10):  # doctest: +SKIP
     ...     net = nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, num_classes))
@@ -29,11 +37,14 @@ Example (``mymodels.py`` on the path):
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import dataclasses
 import functools
 import importlib
 import inspect
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -42,6 +53,11 @@ from torch import nn
 from autoprec._text import excerpt
 from autoprec.models.spec import InputShapeError, ModelError, ModelSpec, Task
 
+#: What a forward that fails on autoprec's example input should check.
+INPUT_HINT = (
+    "; check that its forward takes one tensor of that shape (autoprec_input_shape on the "
+    "module, or the image size)"
+)
 _PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
 
 
@@ -126,24 +142,108 @@ def _accepted(factory: Callable[..., Any], offered: dict[str, Any]) -> dict[str,
     }
 
 
-def _infer_num_classes(path: str, spec_args: dict[str, Any]) -> int:
-    """Output classes read off one forward pass (eval mode, no grad) on a random example."""
-    probe = ModelSpec(num_classes=1, **spec_args)
-    module = probe.module
-    was_training = module.training
-    x, _ = probe.example_batch(1)
+def forward_inputs(module: nn.Module) -> list[str]:
+    """The inputs ``module.forward`` requires (no default), by name; [] when unknown."""
     try:
-        module.eval()
-        with torch.no_grad():
-            logits = probe.logits(module(x))
-    except Exception as err:
+        params = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return []
+    named = (
+        inspect.Parameter.POSITIONAL_ONLY,
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+        inspect.Parameter.KEYWORD_ONLY,
+    )
+    return [n for n, p in params.items() if p.kind in named and p.default is p.empty]
+
+
+def _check_inputs(path: str, module: nn.Module) -> None:
+    """Refuse, before any call, a module autoprec cannot feed: one whose forward needs more
+    than one input, and an encoder-decoder (its decoder needs inputs of its own)."""
+    kind = type(module).__name__
+    if getattr(getattr(module, "config", None), "is_encoder_decoder", False) is True:
         raise ModelError(
-            f"model {path!r}: a forward pass on one {tuple(x.shape)} example failed "
-            f"({type(err).__name__}: {err}); check its input shape, or set "
-            f"autoprec_num_classes on the module"
-        ) from err
-    finally:
-        module.train(was_training)
+            f"model {path!r}: {kind} is an encoder-decoder model, which autoprec does not "
+            "support yet (its decoder needs inputs of its own); decoder-only (Llama, Qwen2, "
+            "Mixtral) and encoder-only (BERT) models are supported, or wrap it in an nn.Module "
+            "whose forward takes one tensor"
+        )
+    needed = forward_inputs(module)
+    if len(needed) > 1:
+        raise ModelError(
+            f"model {path!r}: the forward of {kind} takes more than one input "
+            f"({', '.join(needed)}) and autoprec feeds it one input tensor; wrap it in an "
+            f"nn.Module whose forward takes one tensor and supplies the others (e.g. a fixed "
+            f"{needed[1]}), and return that from the factory"
+        )
+
+
+@contextlib.contextmanager
+def user_code(head: str, returns: str, hint: str = "") -> Iterator[None]:
+    """Run a call into the user's code: anything it raises (``GeneratorExit`` and
+    ``SystemExit`` included; not Ctrl-C) becomes one :class:`ModelError` line,
+    ``HEAD raised <its type and message, excerpted>HINT``.
+
+    Args:
+        head: who failed, e.g. ``"model 'm:f' failed on input of shape (2, 64): its forward"``.
+        returns: what the call should have returned (for a call that exits).
+        hint: what to check, appended to the message (``"; check ..."``).
+    """
+    try:
+        yield
+    except (KeyboardInterrupt, ModelError):
+        raise
+    except SystemExit as err:  # a call that ends the process would end it silently
+        raise ModelError(
+            f"{head} called exit({err.code!r}) instead of returning {returns}"
+        ) from None
+    except BaseException as err:  # noqa: BLE001 - the user's code: any failure is theirs
+        raise ModelError(f"{head} raised {failure(err)}{hint}") from err
+
+
+def failure(err: BaseException) -> str:
+    """An exception as a message quotes it: its type and the first line of its message."""
+    text = str(err).strip().splitlines()
+    first = excerpt(text[0], limit=200, quote=False) if text else "(no message)"
+    return f"{type(err).__name__}: {first}"
+
+
+def _probe(spec: ModelSpec, classes: bool = False) -> int | None:
+    """Run the model as the commands will, on two random examples, so that a model that cannot
+    run on its input is refused in one line before any command's work: one forward pass in eval
+    mode without gradient, then one training step (forward and backward, train mode) on a copy,
+    so that the model itself is left as it was (batch norm statistics included); the global
+    random state is untouched. Returns the number of classes its output has.
+
+    A model on the meta device (built for its shapes only) is not probed: a meta pass can fail
+    where a real one would not. Its forward runs only when ``classes`` asks for the number of
+    classes (None when not run).
+    """
+    module = spec.module
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    meta = device.type == "meta"
+    if meta and not classes:
+        return None
+    x, y = spec.example_batch(2, generator=torch.Generator().manual_seed(0), device=device)
+    failed = f"model {spec.name!r} failed on input of shape {tuple(x.shape)}: "
+    was_training = module.training
+    with torch.random.fork_rng(devices=[]):
+        try:
+            module.eval()
+            with torch.no_grad(), user_code(failed + "its forward", "its output", INPUT_HINT):
+                logits = spec.logits(module(x))
+        finally:
+            module.train(was_training)
+        if logits.dim() < 2:
+            raise ModelError(
+                f"{failed}its output has shape {tuple(logits.shape)}; expected (batch, classes) "
+                "logits"
+            )
+        if meta:
+            return int(logits.shape[-1])
+        y = y.clamp(max=logits.shape[-1] - 1)  # the classes may not be known yet
+        with user_code(failed + "its training step (forward and backward)", "its output"):
+            twin = copy.deepcopy(module).train()
+            spec.loss(twin(x), y).backward()
     return int(logits.shape[-1])
 
 
@@ -169,23 +269,20 @@ def build_user(
         "seq_len": seq_len,
     }
     kwargs = _accepted(factory, offered)
-    try:
+    with user_code(f"model {path!r}: the factory", "a model"):
         made = factory(**kwargs)
-    except SystemExit as err:  # a factory that ends the process would end it silently
-        raise ModelError(
-            f"model {path!r}: the factory called exit({err.code!r}) instead of returning a model"
-        ) from None
-    except Exception as err:
-        raise ModelError(f"model {path!r}: the factory raised {type(err).__name__}: {err}") from err
     if isinstance(made, ModelSpec):
         if not made.family:
             made.family = "user"
+        _check_inputs(path, made.module)
+        _probe(made)
         return made
     if not isinstance(made, nn.Module):
         raise ModelError(
             f"model {path!r}: the factory returned {_returned(made)}; expected an "
             f"nn.Module or an autoprec ModelSpec"
         )
+    _check_inputs(path, made)
     shape = getattr(made, "autoprec_input_shape", None)
     if shape is None:
         if image_size is None:
@@ -205,10 +302,11 @@ def build_user(
         "vocab_size": vocab_size,
         "family": "user",
     }
-    if "num_classes" in kwargs:
-        classes = num_classes
-    else:
-        classes = getattr(made, "autoprec_num_classes", None)
-        if classes is None:
-            classes = _infer_num_classes(path, spec_args)
-    return ModelSpec(num_classes=classes, **spec_args)
+    classes = (
+        num_classes if "num_classes" in kwargs else getattr(made, "autoprec_num_classes", None)
+    )
+    spec = ModelSpec(num_classes=1 if classes is None else classes, **spec_args)
+    produced = _probe(spec, classes=classes is None)
+    if classes is not None or produced is None:
+        return spec
+    return dataclasses.replace(spec, num_classes=produced)  # read off the forward pass
