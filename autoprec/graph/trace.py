@@ -78,8 +78,37 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     return [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor)]
 
 
+def _grouped_mm_flops(a: torch.Tensor, b: torch.Tensor, *_: Any) -> int:
+    """FLOPs of ``_grouped_mm(a, b, offs)`` (and of its scaled form): each group multiplies its
+    slice of ``a`` by its matrix of ``b``; the groups' sizes (``offs``) add up to the split
+    dimension, so the operands' shapes are enough. ``a`` (tokens, K) by ``b`` (groups, K, N):
+    tokens x K x N multiply-adds; (M, K) by (K, N) with K split; (groups, M, K) by (K, N) with N
+    split; 3-d by 3-d: a batch."""
+    if a.dim() == 2 and b.dim() == 2:
+        return 2 * a.shape[0] * a.shape[1] * b.shape[1]
+    if a.dim() == 3 and b.dim() == 2:
+        return 2 * a.shape[1] * a.shape[2] * b.shape[1]
+    return 2 * (a.numel() // a.shape[-1]) * a.shape[-1] * b.shape[-1]
+
+
+#: Matrix operations torch.utils.flop_counter has no formula for: the grouped GEMMs of mixtures
+#: of experts (transformers 5 multiplies its 3-d expert weights with ``torch._grouped_mm``).
+_MORE_FLOPS: dict[Any, Any] = {
+    torch.ops.aten._grouped_mm: _grouped_mm_flops,
+}
+if hasattr(torch.ops.aten, "_scaled_grouped_mm"):
+    _MORE_FLOPS[torch.ops.aten._scaled_grouped_mm] = _grouped_mm_flops
+
+
+def counts_flops(func: Any) -> bool:
+    """Whether the analysis has a FLOP formula for aten op ``func``."""
+    return func._overloadpacket in flop_registry or func._overloadpacket in _MORE_FLOPS
+
+
 def _flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
     packet = func._overloadpacket
+    if packet in _MORE_FLOPS:
+        return int(_MORE_FLOPS[packet](*args))
     if packet is _CONV_BACKWARD and len(args) >= 11:
         # torch.utils.flop_counter ignores groups in convolution_backward (a depthwise conv's
         # backward comes out ~channels times too large). Each gradient a convolution computes
@@ -186,9 +215,12 @@ class Recorder:
             slot[0] += nbytes
             slot[1] += 1
         weights = [g for g in tags if isinstance(g, _Weight)]
+        # integer tensors are indices: a parameter indexed by them (one expert's matrix out of
+        # a 3-d expert weight) is still that parameter
+        values = [g for t, g in zip(inputs, tags, strict=True) if t.is_floating_point() or g]
         if (
             weights
-            and len(weights) == len(tags)
+            and len(weights) == len(values)
             and len({(g.layer, g.module) for g in weights}) == 1
         ):
             first = weights[0]
@@ -326,8 +358,7 @@ class AtenOps(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        packet = func._overloadpacket
-        if packet not in flop_registry and func is not torch.ops.prim.device.default:
+        if not counts_flops(func) and func is not torch.ops.prim.device.default:
             # as FlopCounterMode does: a composite op may hide matrix work, count its parts
             with self:
                 r = func.decompose(*args, **kwargs)
@@ -339,7 +370,7 @@ class AtenOps(TorchDispatchMode):
             if self.rec.failed_op is None:
                 self.rec.failed_op = str(func)
             raise
-        flops = _flops(func, args, kwargs, out) if packet in flop_registry else 0
+        flops = _flops(func, args, kwargs, out) if counts_flops(func) else 0
         if self.rec.in_backward:
             self.rec.backward_op(func, args, kwargs, out, flops)
         else:
