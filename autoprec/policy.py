@@ -61,6 +61,7 @@ __all__ = [
     "LossScalingConfig",
     "ModelInfo",
     "PolicyError",
+    "PolicyMismatchError",
     "PolicyReport",
     "PrecisionPolicy",
     "TargetInfo",
@@ -70,6 +71,9 @@ __all__ = [
 ]
 
 PATTERN_TIMEOUT_S = 0.1  # per match; a sane pattern takes microseconds on a module name
+#: Unmatched layer names a report quotes (with a hint each); the rest are counted, so that a
+#: policy of 100,000 unknown names costs one short line, not a message of megabytes.
+QUOTED_PROBLEMS = 3
 
 
 class _FrozenMap(Mapping):
@@ -104,6 +108,10 @@ class _FrozenMap(Mapping):
         return (type(self), (tuple(self._data.items()),))
 
 
+class PolicyMismatchError(ValueError):
+    """The policy does not fit the model (or the device): it was made for something else."""
+
+
 @dataclass(frozen=True)
 class PolicyReport:
     """What :meth:`PrecisionPolicy.validate` found; ``ok`` when nothing."""
@@ -120,7 +128,7 @@ class PolicyReport:
     def problems(self) -> list[str]:
         """One readable line per problem."""
         lines = []
-        for key, hints in self.unmatched:
+        for key, hints in self.unmatched[:QUOTED_PROBLEMS]:
             what = "pattern" if key.startswith(PATTERN_PREFIX) else "layer"
             fix = (
                 "did you mean " + " or ".join(excerpt(h) for h in hints) + "?"
@@ -128,6 +136,11 @@ class PolicyReport:
                 else "check it against the names in model.named_modules()"
             )
             lines.append(f"{what} {excerpt(key)} matches no tunable or normalisation layer; {fix}")
+        if len(self.unmatched) > QUOTED_PROBLEMS:
+            lines.append(
+                f"and {len(self.unmatched) - QUOTED_PROBLEMS:,} more of the policy's "
+                f"{len(self.unmatched):,} unmatched layer names and patterns"
+            )
         if self.fingerprint:
             expected, actual = self.fingerprint
             lines.append(
@@ -140,6 +153,16 @@ class PolicyReport:
                 "choose a precision it supports or another target"
             )
         return lines
+
+    def error(self, policy: PrecisionPolicy, model: str, where: str = "") -> PolicyMismatchError:
+        """The one-line error of a policy that does not fit ``model`` (its name), saying which
+        model the policy was made for and each problem; ``where`` adds e.g. the device."""
+        made_for = policy.model.name if policy.model is not None else None
+        origin = f"it was made for model {made_for!r}" if made_for else "it names no model"
+        problems = "; ".join(f"({i}) {p}" for i, p in enumerate(self.problems, 1))
+        return PolicyMismatchError(
+            f"the policy does not fit model {model!r}{where} ({origin}): {problems}"
+        )
 
 
 @dataclass(frozen=True)
@@ -280,11 +303,13 @@ class PrecisionPolicy:
         patterns = dict(self._patterns)
         unmatched = []
         for key in self.layers:
+            hint = len(unmatched) < QUOTED_PROBLEMS  # only the quoted ones need a hint
             if key in patterns:
                 if not any(_fullmatch(key, patterns[key], n) for n in names):
-                    unmatched.append((key, suggest(key[len(PATTERN_PREFIX) :], names, n=3)))
+                    body = key[len(PATTERN_PREFIX) :]
+                    unmatched.append((key, suggest(body, names, n=3) if hint else []))
             elif key not in present:
-                unmatched.append((key, suggest(key, names, n=3)))
+                unmatched.append((key, suggest(key, names, n=3) if hint else []))
         mismatch = None
         expected = self.model.fingerprint if self.model else None
         if expected and expected != (actual := model_fingerprint(model)):

@@ -142,6 +142,16 @@ class NumberRange:
         hint = "" if self.integer and is_number(value) else yaml_hint(value)
         return f"{self.describe()}; got {kind(value)}{hint}"
 
+    def check(self, value: object, name: str, error: type[ValueError] = ValueError) -> None:
+        """Raise ``error("<name> must be ...; got ...")`` unless ``value`` is in the range."""
+        problem = self.problem(value)
+        if problem is not None:
+            raise error(f"{name} must be {problem}")
+
+
+#: Every command's seeds (search, train, verify): numpy's and Optuna's samplers take 32 bits.
+SEED_RANGE = NumberRange(integer=True, low=0, high=2**32 - 1, example="0")
+
 
 def _shown(bound: float | None) -> str:
     if bound is None:

@@ -114,7 +114,7 @@ def calibrate(device: str | None, repeats: int) -> None:
     from autoprec.hardware.calibration import calibrate as run
     from autoprec.hardware.calibration import calibration_path
 
-    result = run(device, repeats=repeats)
+    result = run(device, repeats=repeats)  # a repeats below 1 is refused in one line
     console = _console()
     for precision, tflops in result.achieved_tflops.items():
         eff = result.compute_efficiency.get(precision)
@@ -130,7 +130,7 @@ def calibrate(device: str | None, repeats: int) -> None:
 @hardware.command()
 @click.option("--model", "model_name", required=True)
 @click.option("--device", required=True, help="Target accelerator (see `autoprec hardware list`).")
-@click.option("--batch-size", type=click.IntRange(min=1), required=True)
+@click.option("--batch-size", type=int, required=True)
 @click.option("--image-size", type=int, default=None)
 @click.option("--num-classes", type=int, default=1000, show_default=True)
 @click.option("--precision", default=None, help="One precision for every tunable layer.")
@@ -163,6 +163,9 @@ def estimate(
     """
     if (precision is None) == (policy_file is None):
         raise click.UsageError("give exactly one of --precision and --policy")
+    from autoprec.cli.search_config import OPTION_RANGES
+
+    OPTION_RANGES["train_batch_size"].check(batch_size, "--batch-size")
     from autoprec.graph import analyze_named
     from autoprec.hardware import CostModel
     from autoprec.policy_io import load_policy

@@ -15,14 +15,14 @@ import click
 from autoprec._datafile import DataFileError, parse_yaml, read_text
 from autoprec._text import EXCERPT_CHARS, excerpt
 from autoprec.defaults import MAX_BATCH_SIZE, MAX_BUDGET, MAX_IMAGE_SIZE
-from autoprec.policy_fields import INT32_MAX, NumberRange, is_number, kind
+from autoprec.policy_fields import INT32_MAX, SEED_RANGE, NumberRange, is_number, kind
 
 #: The range of each numeric option of ``search`` (and of its config file's keys); an option
-#: left at None (its default is computed) is not checked. Numpy seeds are 32-bit.
+#: left at None (its default is computed) is not checked.
 OPTION_RANGES = {
     "budget": NumberRange(integer=True, low=1, high=MAX_BUDGET, example="12"),
     "steps": NumberRange(integer=True, low=1, high=INT32_MAX, example="50"),
-    "seed": NumberRange(integer=True, low=0, high=2**32 - 1, example="0"),
+    "seed": SEED_RANGE,
     "num_classes": NumberRange(integer=True, low=1, high=INT32_MAX, example="10"),
     "image_size": NumberRange(integer=True, low=1, high=MAX_IMAGE_SIZE, example="32"),
     "train_image_size": NumberRange(integer=True, low=1, high=MAX_IMAGE_SIZE, example="224"),
@@ -132,9 +132,7 @@ def _check_value(name: str, value: object, where: str) -> None:
     if value is None:
         return
     if name in OPTION_RANGES:
-        problem = OPTION_RANGES[name].problem(value)
-        if problem is not None:
-            raise SearchSetupError(f"{where} must be {problem}")
+        OPTION_RANGES[name].check(value, where, SearchSetupError)
     elif name == "precisions":
         _check_precisions(value, where)
     elif name == "storage":

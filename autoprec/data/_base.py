@@ -18,6 +18,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, TensorDataset, default_collate
 
+from autoprec._memory import check_fits, elements
+
 TASKS = ("image-classification", "token-classification", "sequence-classification")
 TOKEN_TASKS = ("token-classification", "sequence-classification")
 SPLITS = ("train", "val")
@@ -70,6 +72,18 @@ class DataBundle:
             raise DatasetError(f"unknown task {self.task!r}; expected one of {', '.join(TASKS)}")
         self.input_shape = tuple(int(d) for d in self.input_shape)
 
+    def _check_batch_size(self, batch_size: int) -> None:
+        """A batch size >= 1 whose batch of inputs fits in the machine's memory
+        (:class:`~autoprec._memory.SizeError` names what to lower)."""
+        if batch_size < 1:
+            raise DatasetError(f"batch_size must be >= 1; got {batch_size}")
+        itemsize = 8 if self.vocab_size is not None else 4  # token ids are int64
+        check_fits(
+            elements((batch_size, *self.input_shape)) * itemsize,
+            f"{self.name}: a batch of {batch_size:,} inputs of shape {self.input_shape}",
+            "lower the image size (or sequence length) or the batch size",
+        )
+
     def split(self, split: str) -> Dataset:
         """The dataset of ``split`` (``"train"`` or ``"val"``)."""
         if split not in SPLITS:
@@ -95,7 +109,7 @@ class DataBundle:
             drop_last: drop a final incomplete batch.
         """
         dataset = self.split(split)
-        _check_batch_size(batch_size)
+        self._check_batch_size(batch_size)
         if shuffle is None:
             shuffle = split == "train"
         generator = torch.Generator().manual_seed(seed)
@@ -118,7 +132,7 @@ class DataBundle:
         batch is full). Useful for sensitivity probes and calibration.
         """
         dataset = self.split(split)
-        _check_batch_size(batch_size)
+        self._check_batch_size(batch_size)
         if n < 1:
             raise DatasetError(f"fixed_batches needs n >= 1 batches; got {n}")
         size = len(dataset)  # type: ignore[arg-type]
@@ -127,11 +141,6 @@ class DataBundle:
         perms = [torch.randperm(size, generator=generator) for _ in range(math.ceil(needed / size))]
         order = torch.cat(perms)[:needed]
         return [_gather(dataset, idx) for idx in order.split(batch_size)]
-
-
-def _check_batch_size(batch_size: int) -> None:
-    if batch_size < 1:
-        raise DatasetError(f"batch_size must be >= 1; got {batch_size}")
 
 
 def _gather(dataset: Dataset, idx: Tensor) -> tuple[Tensor, Tensor]:

@@ -110,9 +110,17 @@ def calibrate(
         size: matmul size (default 4096 on CUDA, 1024 on CPU).
         repeats: timed repetitions per measurement (the median is kept).
         save: write the calibration into the user's cache.
+
+    Raises:
+        ValueError: ``repeats`` below 1 (no median to keep) or a size out of range.
     """
     import torch
 
+    from autoprec.policy_fields import NumberRange
+
+    NumberRange(integer=True, low=1, high=10_000, example="5").check(repeats, "repeats")
+    if size is not None:
+        NumberRange(integer=True, low=1, high=65_536, example="1024").check(size, "size")
     spec = detect() if spec is None else get_device(spec)
     device = "cuda" if torch.cuda.is_available() and spec.name != "cpu" else "cpu"
     size = size or (4096 if device == "cuda" else 1024)

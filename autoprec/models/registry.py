@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from autoprec._memory import check_fits
 from autoprec.models.builtin import BUILTIN_MODELS
 from autoprec.models.hf import HF_MODELS, build_hf, hf_available
 from autoprec.models.spec import FAMILIES, ModelError, ModelSpec, Task, UnknownModelError
@@ -79,6 +80,8 @@ def load_model(
         UnknownModelError: no family knows ``name``; the message suggests close names.
         ModelError: the model cannot be built as asked (image size, missing extra, a shape
             it does not have, ...).
+        SizeError: its weights, or one input, would not fit in the machine's memory (the
+            message names the setting to lower).
     """
     if not isinstance(num_classes, int) or num_classes < 1:
         raise ModelError(f"num_classes must be a positive int, got {num_classes!r}")
@@ -89,11 +92,39 @@ def load_model(
         raise ModelError(f"seq_len must be a positive int or None, got {seq_len!r}")
     if shape is not None:
         _check_shape(name.strip(), shape)
+    args = (name.strip(), num_classes, image_size, in_channels, seq_len, shape)
+    if torch.get_default_device().type != "meta":
+        _check_parameters(*args)
     if seed is None:
-        return _build(name.strip(), num_classes, image_size, in_channels, seq_len, shape)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return _build(name.strip(), num_classes, image_size, in_channels, seq_len, shape)
+        spec = _build(*args)
+    else:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            spec = _build(*args)
+    if torch.get_default_device().type != "meta":
+        spec.check_batch(1)  # e.g. image_size 100000, or a user's huge autoprec_input_shape
+    return spec
+
+
+def _check_parameters(name: str, num_classes: int, *args: Any) -> None:
+    """Raise :class:`~autoprec._memory.SizeError` if the model's fp32 weights would not fit in
+    the machine's memory, counted on a copy built on the meta device (which allocates
+    nothing) before the real one is built; a user's factory is not built twice."""
+    if is_user_path(name):
+        return
+    try:
+        with torch.device("meta"):
+            module = _build(name, num_classes, *args).module
+    except Exception:  # noqa: BLE001 - the real build reports its own errors
+        return
+    params = list(module.parameters())
+    total = sum(p.numel() for p in params)
+    largest = max(params, key=lambda p: p.numel(), default=None)
+    if largest is not None and num_classes in largest.shape and num_classes > 1:
+        fix = f"lower num_classes ({num_classes:,}; its classifier alone has {largest.numel():,})"
+    else:
+        fix = "choose a smaller model, or a smaller image size or sequence length"
+    check_fits(total * 4, f"model {name!r} with {total:,} parameters (fp32)", fix)
 
 
 def model_shapes(name: str) -> dict[str, str]:

@@ -23,6 +23,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from autoprec._memory import check_fits, elements
+
 
 class ModelError(ValueError):
     """A model that cannot be built or described as asked; the message says how to fix it."""
@@ -170,6 +172,36 @@ class ModelSpec:
             return (batch_size, *self.input_shape[:1])
         return (batch_size,)
 
+    def batch_bytes(self, batch_size: int) -> tuple[int, int]:
+        """``(inputs, logits)``: the bytes of a batch of ``batch_size`` inputs (with their
+        labels) and of the model's fp32 logits for it."""
+        itemsize = torch.empty((), dtype=self.input_dtype, device="meta").element_size()
+        labels = elements(self.target_shape(batch_size))
+        inputs = elements((batch_size, *self.input_shape)) * itemsize + labels * 8
+        return inputs, labels * self.num_classes * 4
+
+    def check_batch(self, batch_size: int) -> None:
+        """Raise :class:`~autoprec._memory.SizeError`, naming the setting to lower, if a batch
+        of ``batch_size`` inputs and its logits would not fit in the machine's memory."""
+        inputs, logits = self.batch_bytes(batch_size)
+        if logits > inputs:
+            fix = f"lower num_classes ({self.num_classes:,})"
+        elif self.family == "user":
+            fix = "give the model a smaller input (its autoprec_input_shape, or the image size)"
+        elif self.tokens:
+            fix = "lower the sequence length"
+        else:
+            fix = "lower image_size"
+        if batch_size > 1:
+            fix += f" or the batch size ({batch_size:,})"
+        what = "one input" if batch_size == 1 else f"a batch of {batch_size:,} inputs"
+        check_fits(
+            inputs + logits,
+            f"model {self.name!r}: {what} of shape {self.input_shape} with its "
+            f"{self.num_classes:,}-class logits",
+            fix,
+        )
+
     def example_batch(
         self,
         batch_size: int = 2,
@@ -181,9 +213,15 @@ class ModelSpec:
         Images are standard normal; token ids are uniform in ``[0, vocab_size)``; labels are
         uniform in ``[0, num_classes)``. Drawn on the CPU (from ``generator`` when given), then
         moved to ``device``.
+
+        Raises:
+            SizeError: the batch would not fit in the machine's memory (one line naming the
+                setting to lower).
         """
         if batch_size < 1:
             raise ModelError(f"batch_size must be at least 1, got {batch_size}")
+        if torch.get_default_device().type != "meta":  # a meta batch allocates nothing
+            self.check_batch(batch_size)
         shape = (batch_size, *self.input_shape)
         if self.tokens:
             x = torch.randint(

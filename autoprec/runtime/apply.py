@@ -23,6 +23,7 @@ are the very same objects, and the model's outputs and ``state_dict`` are as bef
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -227,6 +228,8 @@ def resolve_layers(model: nn.Module, policy: Any) -> dict[str, Precision]:
     """The layers ``policy`` puts under the runtime; a mapping (read as
     :meth:`PrecisionPolicy.coerce` reads it) puts only those it names, exactly or by pattern."""
     coerced = PrecisionPolicy.coerce(policy)
+    if isinstance(policy, PrecisionPolicy):
+        check_fits(model, policy)
     if not isinstance(policy, Mapping):
         return coerced.resolve(model)
     modules = dict(model.named_modules())
@@ -234,6 +237,18 @@ def resolve_layers(model: nn.Module, policy: Any) -> dict[str, Precision]:
     if missing:
         raise ValueError(f"policy names layers the model does not have: {', '.join(missing)}")
     return coerced.resolve(model, named_only=True)
+
+
+def check_fits(model: nn.Module, policy: PrecisionPolicy) -> None:
+    """Raise :class:`~autoprec.policy.PolicyMismatchError` if ``policy`` names a layer
+    ``model`` does not have (an exact name; a pattern that matches nothing is allowed, as in a
+    mapping) or records another model's fingerprint: the policy was made for another model
+    (:meth:`PrecisionPolicy.validate`, the check ``autoprec train`` makes)."""
+    report = policy.validate(model)
+    exact = [(k, hints) for k, hints in report.unmatched if not k.startswith(PATTERN_PREFIX)]
+    if exact or report.fingerprint:
+        report = dataclasses.replace(report, unmatched=exact)
+        raise report.error(policy, type(model).__name__)
 
 
 def model_device_type(model: nn.Module) -> str:
@@ -267,7 +282,9 @@ def apply_policy(
         RuntimeStateError: a layer of ``model`` is already under a policy.
         NotRunnableError: (native mode) a layer's precision does not run natively on the local
             device (fp8 on a convolution, a Linear whose features torchao rejects, ...).
-        ValueError: unknown mode, precision, or a layer name the model does not have.
+        ValueError: unknown mode, precision, or a layer name the model does not have;
+            :class:`~autoprec.policy.PolicyMismatchError` for a loaded policy that names
+            layers the model lacks or records another model's fingerprint.
 
     Example:
         >>> handle = apply_policy(model, {"fc": "bf16"}, mode="emulate")
