@@ -10,8 +10,9 @@ import click
 def _console():
     from rich.console import Console
 
-    console = Console()
-    return console if console.is_terminal else Console(width=140)
+    # no markup: what is printed is data (a reason such as 'pip install "autoprec[fp8]"')
+    console = Console(markup=False)
+    return console if console.is_terminal else Console(width=140, markup=False)
 
 
 @click.group()

@@ -109,6 +109,8 @@ class Exporter:
         rules: Sequence[tuple[str, Any, float]] = (),
     ) -> Path | None:
         """The files of :meth:`export`, the best policy first (the one that matters most)."""
+        from rich.markup import escape  # a path holding "[x]" is text, not rich markup
+
         from autoprec.cache import write_csv
         from autoprec.policy_io import save_policy
 
@@ -128,9 +130,9 @@ class Exporter:
         best = result.best
         m = best.metrics
         self.console.print(
-            f"best policy -> {out}: reward {best.reward:.3f}, speedup {m.speedup:.2f}x, "
-            f"memory {m.memory_ratio:.2f}x, loss delta {m.loss_delta:+.4f} "
-            f"({len(result.real_trials)} real evaluations)"
+            f"best policy -> {escape(str(out))}: reward {best.reward:.3f}, "
+            f"speedup {m.speedup:.2f}x, memory {m.memory_ratio:.2f}x, "
+            f"loss delta {m.loss_delta:+.4f} ({len(result.real_trials)} real evaluations)"
         )
         if amp_reward is not None:
             self._compare_with_amp(best, amp, amp_reward)
@@ -170,15 +172,19 @@ class Exporter:
     def _compare_with_rules(self, best: Any, rules: Sequence[tuple[str, Any, float]]) -> None:
         """One line: the best hand-written fp8 rule under the reward, and whether the searched
         policy beats it."""
+        from rich.markup import escape
+
         name, m, reward = max(rules, key=lambda r: r[2])
         verdict = "better than" if best.reward > reward else "[yellow]not better than[/]"
         self.console.print(
-            f"{verdict} the best of {len(rules)} hand-written fp8 rules, {name} "
+            f"{verdict} the best of {len(rules)} hand-written fp8 rules, {escape(name)} "
             f"({m.speedup:.2f}x, loss delta {m.loss_delta:+.4f}, reward {reward:.3f})"
         )
 
     def _write_pareto(self, result: Any, folder: Path) -> None:
         """``pareto_NNN.yaml`` per Pareto point and ``pareto.csv`` listing them."""
+        from rich.markup import escape
+
         from autoprec.cache import write_csv
         from autoprec.policy_io import save_policy
 
@@ -189,4 +195,4 @@ class Exporter:
             row = {**trial.row(), "reward": round(trial.reward, 6)}
             rows.append({"file": path.name, **{k: row[k] for k in PARETO_FIELDS}})
         write_csv(folder / "pareto.csv", rows)
-        self.console.print(f"{len(rows)} Pareto policies -> {folder}")
+        self.console.print(f"{len(rows)} Pareto policies -> {escape(str(folder))}")
