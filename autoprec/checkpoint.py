@@ -9,6 +9,9 @@ file; :func:`load_checkpoint` refuses, with the reason, a file another run wrote
 
 from __future__ import annotations
 
+import io
+import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -16,13 +19,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from autoprec.cache import write_atomic
+from autoprec.cache import reason, write_atomic
 from autoprec.distributed import is_multiprocess
 
 CHECKPOINT_NAME = "last.pt"
 CHECKPOINT_VERSION = 1
 # Settings a resumed run must share with the run that wrote the checkpoint.
 RESUME_KEYS = ("batch_size", "grad_accum", "world_size", "seed", "lr", "momentum")
+# The class torch's weights-only unpickler refused, in its error text.
+_UNSAFE = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
+_UNPICKLER = re.compile(r"WeightsUnpickler error: (.{1,120}?)\s*(?:Check the documentation|$)")
 
 
 class CheckpointError(ValueError):
@@ -53,7 +59,12 @@ def save_checkpoint(
     overflows: int,
     dev: torch.device,
 ) -> None:
-    """Every rank hands in its RNG state (a collective); rank 0 writes the file atomically."""
+    """Every rank hands in its RNG state (a collective); rank 0 writes the file atomically.
+
+    Raises:
+        OSError: the file cannot be written (a full disk, a read-only folder); the file there
+            before, if any, is left as it was.
+    """
     rng = [_rng_state(dev)]
     if is_multiprocess():
         rng = [None] * dist.get_world_size()
@@ -72,7 +83,11 @@ def save_checkpoint(
         "overflows": overflows,
         "config": config,
     }
-    write_atomic(path, lambda fh: torch.save(state, fh), binary=True)
+    # serialised first: torch's writer turns a full disk into a RuntimeError of its own, a file
+    # object's write raises the OSError (ENOSPC) that the caller knows to take as a warning
+    data = io.BytesIO()
+    torch.save(state, data)
+    write_atomic(path, lambda fh: fh.write(data.getbuffer()), binary=True)
 
 
 def load_checkpoint(
@@ -87,9 +102,9 @@ def load_checkpoint(
     problem = None
     if path is not None and rank == 0 and path.exists():
         try:
-            ckpt = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as err:  # noqa: BLE001 - any unreadable file gets the same advice
-            problem = f"cannot read {path}: {err}".replace("\n", " ")
+            ckpt = read_torch_file(path)
+        except CheckpointError as err:
+            problem = f"{err}; use another checkpoint folder, or delete {path} to start afresh"
         else:
             problem = _resume_problem(ckpt, config, path)
     if world > 1:
@@ -99,6 +114,42 @@ def load_checkpoint(
     if problem:
         raise CheckpointError(problem)
     return ckpt
+
+
+def read_torch_file(path: str | os.PathLike[str], error: type[ValueError] = CheckpointError) -> Any:
+    """``torch.load(path)`` of tensors and plain data only (``weights_only``), on the CPU.
+
+    Raises:
+        error: (:class:`CheckpointError` by default) the file is not a regular file, is empty,
+            is damaged, or holds Python objects of other kinds; the message says which, in
+            autoprec's words (not torch's advice to load it with ``weights_only=False``, which
+            would run whatever code the file holds).
+    """
+    file = Path(path)
+    if not file.is_file():
+        what = "a folder" if file.is_dir() else "not a regular file" if file.exists() else "missing"
+        raise error(f"cannot read checkpoint {file}: it is {what}")
+    if file.stat().st_size == 0:
+        raise error(
+            f"cannot read checkpoint {file}: it is empty (0 bytes), a write that never finished"
+        )
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - whatever is wrong, one line of our own
+        text = " ".join(str(err).split())
+        found = _UNSAFE.search(text)
+        if found is not None:
+            raise error(
+                f"cannot read checkpoint {file}: it holds Python objects ({found.group(1)}) "
+                "besides tensors and plain data, which autoprec does not load (loading them "
+                "could run code): it is not a checkpoint of `autoprec train` or a state dict"
+            ) from None
+        detail = _UNPICKLER.search(text)  # torch's own reason, inside its advice
+        why = detail.group(1).strip() if detail is not None else reason(err).split(". ")[0]
+        raise error(
+            f"cannot read checkpoint {file}: it is damaged or not a torch file ({why}); a "
+            "truncated copy or another program's file"
+        ) from None
 
 
 def _resume_problem(ckpt: Any, config: dict[str, Any], path: Path) -> str | None:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 import os
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DistributedSampler
 
+from autoprec.cache import reason
 from autoprec.checkpoint import (
     CHECKPOINT_NAME,
     CheckpointError,
@@ -62,6 +64,7 @@ from autoprec.train_checks import (
     PolicyMismatchError,
     TrainConfigError,
     check_policy,
+    check_seed,
     check_settings,
     pick_device,
     pick_mode,
@@ -198,7 +201,8 @@ def train(
         grad_accum: micro-batches whose gradients make one optimizer step.
         checkpoint_dir: where ``last.pt`` is written (atomically) at every epoch end and at the
             end; when it already holds one, training resumes from it and continues to the same
-            total. With DDP it must be a folder rank 0 can read; only rank 0 writes.
+            total. With DDP it must be a folder rank 0 can read; only rank 0 writes. A write
+            that fails (a full disk) is one warning; training goes on.
         checkpoint_every: also write a checkpoint every this many optimizer steps.
         device: where to train (default: the local CUDA device, else the CPU); under DDP on
             CUDA the process's ``LOCAL_RANK`` picks the GPU.
@@ -223,7 +227,9 @@ def train(
         TrainConfigError: inconsistent settings.
         CheckpointError: ``checkpoint_dir`` holds a checkpoint of another run.
         TrainDivergedError: the loss became inf/NaN and no loss scaler skipped the step, or it
-            was inf/NaN in :data:`NONFINITE_STEPS` steps in a row (all skipped).
+            was inf/NaN in :data:`NONFINITE_STEPS` steps in a row (all skipped), or the weights
+            (or the last validation loss) are no longer finite: weights that are not numbers
+            are never written to a checkpoint, nor returned as a result.
         TrainInterrupted: ``stop()`` returned True before the last step.
     """
     start = time.perf_counter()
@@ -233,6 +239,7 @@ def train(
         lr,
         momentum,
     )
+    check_seed(seed)
     rank, world, local_rank = dist_env()
     dev = pick_device(device, local_rank if world > 1 else None)
     run_mode = pick_mode(mode, dev)
@@ -288,7 +295,8 @@ def train(
             prior_overflows = int(ckpt["overflows"])
             val_history = [dict(v) for v in ckpt.get("val_history", [])]
             restore_rng(ckpt["rng"][rank], dev)
-        saved_at = resumed_from  # the step the file at `path` holds
+        saved_at = resumed_from  # the step the file at `path` holds (rank 0 knows)
+        tried_at = resumed_from  # the last step a checkpoint was written at or tried (every rank)
 
         model: nn.Module = module
         if world > 1:
@@ -302,10 +310,33 @@ def train(
         val = None
 
         def save() -> None:
+            """Write the checkpoint of ``step``; a write that fails is one warning."""
+            nonlocal saved_at, tried_at
+            tried_at = step  # every rank alike: the next save is a collective for all
+            if not loop.weights_finite():  # never write weights that are no longer numbers
+                raise TrainDivergedError(_nan_weights(step, history, path, saved_at), step)
             overflows = prior_overflows + sum_over_ranks(handle.totals()["overflows"], dev)
-            save_checkpoint(
-                path, module, optimizer, scaler, step, config, history, val_history, overflows, dev
-            )
+            try:
+                save_checkpoint(
+                    path,
+                    module,
+                    optimizer,
+                    scaler,
+                    step,
+                    config,
+                    history,
+                    val_history,
+                    overflows,
+                    dev,
+                )
+            except OSError as err:  # a full or read-only disk: the training itself goes on
+                if not failed_writes:
+                    warnings.warn(_unwritten(path, err, saved_at), stacklevel=2)
+                failed_writes.append(step)
+                return
+            saved_at = step
+
+        failed_writes: list[int] = []  # steps whose checkpoint could not be written
 
         nonfinite = 0  # steps in a row whose loss was inf/NaN
         while step < total:
@@ -319,14 +350,14 @@ def train(
             ]
             for group_start in range(0, len(micro), grad_accum):
                 if any_rank(stop, dev):  # a step boundary: the state is whole
-                    if path is not None and saved_at != step:
+                    if path is not None and tried_at != step:
                         save()
-                    raise TrainInterrupted(step, total, path)
+                    raise TrainInterrupted(step, total, path if saved_at is not None else None)
                 loss = loop.step(dataset, micro[group_start : group_start + grad_accum])
                 step += 1
                 history.append(loss)
                 nonfinite = 0 if math.isfinite(loss) else nonfinite + 1
-                kept = f"; {path} holds the last checkpoint" if path is not None else ""
+                kept = _kept(path, saved_at)
                 if nonfinite and not scaler.is_enabled():
                     raise TrainDivergedError(
                         f"training diverged at step {step} (loss {loss}) without loss scaling; "
@@ -334,6 +365,8 @@ def train(
                         "that steps with inf/NaN gradients are skipped" + kept,
                         step,
                     )
+                if nonfinite and not loop.weights_finite():  # the step itself broke them
+                    raise TrainDivergedError(_nan_weights(step, history, path, saved_at), step)
                 if nonfinite >= NONFINITE_STEPS:  # every one skipped: nothing trains any more
                     raise TrainDivergedError(
                         f"training diverged: the loss was inf/NaN in {nonfinite} steps in a row "
@@ -359,12 +392,13 @@ def train(
                 due = checkpoint_every is not None and step % checkpoint_every == 0
                 if path is not None and (epoch_end or step == total or due):
                     save()
-                    saved_at = step
                 if step == total:
                     break
 
         if val is None:  # resumed at (or past) the end: nothing trained, validate once
             val = loop.validate()
+        if not (loop.weights_finite() and math.isfinite(val["val_loss"])):  # never a success
+            raise TrainDivergedError(_nan_weights(step, history, path, saved_at), step)
         overflows = prior_overflows + sum_over_ranks(handle.totals()["overflows"], dev)
         if own_group:
             dist.barrier()  # no rank tears the group down while another still talks to it
@@ -379,7 +413,7 @@ def train(
             overflows=overflows,
             skipped_steps=scaler.skipped_steps,
             wall_time_s=time.perf_counter() - start,
-            checkpoint=path if path is not None and path.exists() else None,
+            checkpoint=path if saved_at is not None else None,
             resumed_from=resumed_from,
             world_size=world,
             rank=rank,
@@ -391,3 +425,29 @@ def train(
         if own_group and dist.is_initialized():
             model = loop = None  # type: ignore[assignment]  # DDP's reducer: see leave_group
             leave_group()
+
+
+def _kept(path: Path | None, saved_at: int | None) -> str:
+    """What a diverged run leaves: ``"; <path> holds the last checkpoint (step n)"``, or ``""``."""
+    if path is None or saved_at is None:
+        return ""
+    return f"; {path} holds the last checkpoint (step {saved_at})"
+
+
+def _unwritten(path: Path, err: OSError, saved_at: int | None) -> str:
+    """The one warning of a checkpoint that could not be written."""
+    held = f"{path} still holds step {saved_at}" if saved_at is not None else "no checkpoint yet"
+    return (
+        f"cannot write the checkpoint {path} ({reason(err)}); training goes on without it "
+        f"({held}; later writes are tried without another warning)"
+    )
+
+
+def _nan_weights(step: int, history: list[float], path: Path | None, saved_at: int | None) -> str:
+    """The message of a run whose weights (or validation loss) are no longer finite."""
+    loss = history[-1] if history else float("nan")
+    return (
+        f"training diverged by step {step} (loss {loss}): the weights are no longer finite "
+        "numbers, so this run has no result; lower the learning rate, or keep the layers that "
+        "overflow at a wider precision" + _kept(path, saved_at)
+    )

@@ -9,22 +9,19 @@ from typing import Any
 
 import torch
 
-from autoprec.policy import PrecisionPolicy, resolve_mode
-from autoprec.policy_fields import COMPILED
+from autoprec.policy import PolicyMismatchError, PrecisionPolicy, resolve_mode
+from autoprec.policy_fields import COMPILED, SEED_RANGE
 from autoprec.runtime.compiled import NotCompilableError, check_compilable
 
 __all__ = [
     "PolicyMismatchError",
     "TrainConfigError",
     "check_policy",
+    "check_seed",
     "check_settings",
     "pick_device",
     "pick_mode",
 ]
-
-
-class PolicyMismatchError(ValueError):
-    """The policy does not fit the model (or the device): it was made for something else."""
 
 
 class TrainConfigError(ValueError):
@@ -49,6 +46,19 @@ def check_settings(
         raise TrainConfigError(f"lr must be a finite number > 0, got {lr!r}")
     if not (isinstance(momentum, (int, float)) and 0 <= momentum < 1):
         raise TrainConfigError(f"momentum must be in [0, 1), got {momentum!r}")
+
+
+def check_seed(seed: Any, error: type[ValueError] | None = None, name: str = "seed") -> int:
+    """``seed`` if it lies in :data:`~autoprec.policy_fields.SEED_RANGE`, the rule of every
+    command's seed (``search`` checks its option by it too).
+
+    Raises:
+        error: (:class:`TrainConfigError` by default) naming ``name`` and the range.
+    """
+    problem = SEED_RANGE.problem(seed)
+    if problem is not None:
+        raise (error or TrainConfigError)(f"{name} must be {problem}")
+    return seed
 
 
 def pick_device(device: str | torch.device | None, local_rank: int | None) -> torch.device:
@@ -92,11 +102,5 @@ def check_policy(spec: Any, policy: PrecisionPolicy, dev: torch.device, mode: st
             except NotCompilableError as err:
                 raise PolicyMismatchError(f"mode {COMPILED}: {err}") from None
         return
-    made_for = policy.model.name if policy.model is not None else None
-    origin = f"it was made for model {made_for!r}" if made_for else "it names no model"
     where = f" on {target.name} (native mode)" if target is not None and report.unsupported else ""
-    problems = "; ".join(f"({i}) {p}" for i, p in enumerate(report.problems, 1))
-    raise PolicyMismatchError(
-        f"the policy does not fit model {getattr(spec, 'name', '?')!r}{where} ({origin}): "
-        f"{problems}"
-    )
+    raise report.error(policy, getattr(spec, "name", "?"), where)

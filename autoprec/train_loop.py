@@ -112,6 +112,15 @@ class TrainLoop:
         loss_sum, count, correct, labels = sums.tolist()
         return {"val_loss": loss_sum / max(count, 1), "val_accuracy": correct / max(labels, 1)}
 
+    @torch.no_grad()
+    def weights_finite(self) -> bool:
+        """Whether every floating-point parameter and buffer of the module is finite (one
+        reduction and one host sync; the same answer on every process under DDP)."""
+        tensors = [t for t in self.module.state_dict().values() if t.is_floating_point()]
+        if not tensors:
+            return True
+        return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
+
     def emit(self, step: int, metrics: dict[str, float]) -> None:
         """Hand ``metrics`` of ``step`` to ``log``, on rank 0 only."""
         if self.log is not None and self.rank == 0:

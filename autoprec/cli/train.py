@@ -19,6 +19,7 @@ Example::
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import click
@@ -100,15 +101,25 @@ def train(
     import torch
 
     import autoprec
+    from autoprec.cli._setup import check_writable
     from autoprec.cli.interrupt import stop_at_boundary, terminate_as_interrupt
+    from autoprec.cli.search_progress import console
+    from autoprec.cli.sensitivity_progress import sensitivity_progress
     from autoprec.data import load_dataset_for
     from autoprec.models import load_model
     from autoprec.policy_io import load_policy
     from autoprec.tracking import TrainTracker
     from autoprec.train import dist_env
     from autoprec.train import train as run
+    from autoprec.train_checks import TrainConfigError, check_seed
 
     with terminate_as_interrupt():  # SIGTERM is Ctrl-C; in training, both wait for a step
+        check_seed(seed)
+        if checkpoint_dir is not None:  # a read-only or full disk: now, not after an epoch
+            folder = Path(checkpoint_dir)  # its nearest existing folder: nothing made yet
+            check_writable(
+                [next(p for p in (folder, *folder.parents) if p.exists())], TrainConfigError
+            )
         policy = load_policy(policy_file)
         torch.manual_seed(seed)  # the same initial weights in every process and every run
         spec = load_model(model_name, num_classes=num_classes, image_size=image_size)
@@ -155,6 +166,9 @@ def train(
 
         def log(step: int, metrics: dict[str, float]) -> None:
             tracking.log(step, metrics)
+            if "train_loss" in metrics:
+                per_epoch = round(step / metrics["epoch"]) if metrics["epoch"] else 1
+                progress("steps", step, steps if steps is not None else (epochs or 1) * per_epoch)
             if "val_loss" in metrics:
                 click.echo(
                     f"step {step} (epoch {metrics['epoch']:.2f}): val loss "
@@ -162,7 +176,10 @@ def train(
                 )
 
         try:
-            with stop_at_boundary() as stop:  # ... boundary, and a checkpoint there
+            with (
+                sensitivity_progress(console(), f"training {spec.name}") as (progress, _),
+                stop_at_boundary() as stop,  # ... boundary, and a checkpoint there
+            ):
                 result = run(
                     spec,
                     data,
@@ -217,6 +234,8 @@ def _interrupted(err: KeyboardInterrupt, checkpoint_dir: str | None) -> str:
 
     if isinstance(err, TrainInterrupted):
         where = f"interrupted at step {err.step} of {err.total}"
+        if err.checkpoint is None and checkpoint_dir:
+            return f"{where}; nothing saved (no checkpoint could be written in {checkpoint_dir})"
         if err.checkpoint is None:
             return f"{where}; nothing saved (give --checkpoint-dir to be able to resume)"
         return f"{where}; checkpoint {err.checkpoint}: run the same command to resume"

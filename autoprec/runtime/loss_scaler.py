@@ -25,10 +25,17 @@ from typing import Any, NamedTuple
 import torch
 
 from autoprec.policy import LOSS_SCALING_KINDS
+from autoprec.policy_fields import FLOAT32_MAX
 
-__all__ = ["LOSS_SCALER_KINDS", "LossScaler", "ScaleRecord"]
+__all__ = ["LOSS_SCALER_KINDS", "SCALE_RANGE", "LossScaler", "ScaleRecord"]
 
 LOSS_SCALER_KINDS = LOSS_SCALING_KINDS  # the kinds a policy's loss_scaling section may name
+# The scales a scaler can hold: the scale is a float32 tensor, and unscaling multiplies every
+# gradient by its reciprocal, checking the gradients before that multiplication. A scale below
+# float32's smallest normal number rounds to 0 (or its reciprocal overflows to inf), so zero
+# gradients became 0 * inf = NaN after the check had passed them: the step was taken with NaN
+# gradients and the weights turned NaN. Above float32's largest number the scale is inf.
+SCALE_RANGE = (torch.finfo(torch.float32).tiny, FLOAT32_MAX)
 
 
 class ScaleRecord(NamedTuple):
@@ -45,6 +52,17 @@ def _check_positive_finite(name: str, value: Any) -> float:
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
     return float(value)
+
+
+def _check_scale(value: Any) -> float:
+    value = _check_positive_finite("init_scale", value)
+    low, high = SCALE_RANGE
+    if not low <= value <= high:
+        raise ValueError(
+            f"init_scale must be in [{low:.3g}, {high:.3g}] (the scale is a float32: a smaller "
+            f"one rounds to 0, a larger one to inf), got {value!r}; 65536 is a common start"
+        )
+    return value
 
 
 def _check_growth_factor(value: Any) -> float:
@@ -141,7 +159,7 @@ class LossScaler(torch.amp.GradScaler):
         kind: str = "dynamic",
         max_history: int = 10_000,
     ) -> None:
-        init_scale = _check_positive_finite("init_scale", init_scale)
+        init_scale = _check_scale(init_scale)
         growth_factor = _check_growth_factor(growth_factor)
         backoff_factor = _check_backoff_factor(backoff_factor)
         growth_interval = _check_growth_interval(growth_interval)
@@ -330,11 +348,22 @@ class LossScaler(torch.amp.GradScaler):
         if self._kind == "static" and new_scale is None:
             new_scale = scale_used  # keeps the scale and the growth tracker as they are
         super().update(new_scale)
+        self._floor_scale()
 
         self._history.append(ScaleRecord(self._num_updates, scale_used, found_inf))
         self._num_updates += 1
         self._overflow_steps += int(found_inf)
         self._min_scale = min(self._min_scale, scale_used)
+
+    def _floor_scale(self) -> None:
+        """Keep the scale at or above :data:`SCALE_RANGE`'s low end: backing off (or a given
+        ``new_scale``, or an old checkpoint) must never reach 0, where unscaling turns zero
+        gradients into NaN ones that no check sees."""
+        low = SCALE_RANGE[0]
+        if not self._init_scale >= low:  # a lazy scaler's scale-to-be (load_state_dict's)
+            self._init_scale = low
+        if self._scale is not None and not float(self._scale) >= low:
+            self._scale.fill_(low)
 
     # ------------------------------------------------------------ getters/setters
 
@@ -395,6 +424,7 @@ class LossScaler(torch.amp.GradScaler):
         super().load_state_dict(state_dict)
         if not self.is_enabled():
             return
+        self._floor_scale()
         self._num_updates = int(state_dict.get("updates", self._num_updates))
         self._skipped_steps = int(state_dict.get("skipped_steps", self._skipped_steps))
         self._overflow_steps = int(state_dict.get("overflow_steps", self._overflow_steps))

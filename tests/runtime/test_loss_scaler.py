@@ -376,3 +376,30 @@ def test_from_policy_reads_the_loss_scaling_section():
     assert scaler.kind == "static" and scaler.get_scale() == 256.0
     plain = LossScaler.from_policy(PrecisionPolicy(default="bf16"))
     assert not plain.is_enabled()
+
+
+@pytest.mark.parametrize("scale", [1e-300, 1e-39, 1e300, 4e38])
+def test_a_scale_a_float32_cannot_hold_is_refused(scale):
+    """Below float32's smallest normal number the scale rounds to 0 (or its reciprocal to inf):
+    unscaling then made zero gradients NaN after the inf/NaN check had passed them."""
+    with pytest.raises(ValueError, match=r"init_scale must be in \[1\.18e-38, 3\.4e\+38\]"):
+        LossScaler(init_scale=scale)
+
+
+def test_backing_off_never_takes_the_scale_to_zero_nor_the_weights_to_nan():
+    from autoprec.runtime.loss_scaler import SCALE_RANGE
+
+    low = SCALE_RANGE[0]
+    layer = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    scaler = LossScaler(init_scale=low, backoff_factor=0.5)
+    for loss in (float("inf"), float("inf"), 0.0):  # two overflows, then a zero gradient
+        optimizer.zero_grad()
+        scaler.scale(layer(torch.ones(1, 2)).sum() * loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        assert scaler.get_scale() == pytest.approx(low)
+    assert all(p.isfinite().all() for p in layer.parameters())
+    # a checkpoint of a scale of 0 (an older autoprec's) loads at the floor
+    scaler.load_state_dict({**scaler.state_dict(), "scale": 0.0})
+    assert scaler.get_scale() == pytest.approx(low)
