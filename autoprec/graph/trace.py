@@ -29,13 +29,21 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.flop_counter import conv_flop_count, flop_registry
+from torch.utils.flop_counter import (
+    conv_flop_count,
+    flop_registry,
+    sdpa_backward_flop_count,
+    sdpa_flop_count,
+)
 from torch.utils.weak import WeakIdKeyDictionary
 
 ACTIVATION_MATMULS = "matmuls of two activations (attention scores and values): no weight"
 _CONV_BACKWARD = torch.ops.aten.convolution_backward
 _NO_DATA = ("empty_like", "zeros_like", "ones_like", "full_like", "new_empty", "new_zeros")
 _NO_DATA += ("new_ones", "new_full", "rand_like", "randn_like", "randint_like", "scalar_tensor")
+#: Ops that pick parts of a tensor by indices (an embedding's lookup is not one: its output is
+#: the model's data, not a weight).
+_GATHERS = frozenset({"index", "index_select", "select", "gather", "take"})
 
 
 @dataclass(frozen=True)
@@ -91,10 +99,33 @@ def _grouped_mm_flops(a: torch.Tensor, b: torch.Tensor, *_: Any) -> int:
     return 2 * (a.numel() // a.shape[-1]) * a.shape[-1] * b.shape[-1]
 
 
+def _heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[tuple[int, ...], ...]:
+    """Attention's (batch, heads, length, dim) shapes of query, key and value, the key's and
+    value's heads as the query's (grouped-query attention shares them)."""
+    b, h, sq, d = q.shape
+    return (b, h, sq, d), (b, h, k.shape[-2], d), (b, h, k.shape[-2], v.shape[-1])
+
+
+def _cpu_attention_flops(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_: Any) -> int:
+    return int(sdpa_flop_count(*_heads(q, k, v)))
+
+
+def _cpu_attention_backward_flops(
+    grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_: Any
+) -> int:
+    shapes = _heads(q, k, v)
+    return int(sdpa_backward_flop_count((*shapes[0][:3], shapes[2][-1]), *shapes))
+
+
 #: Matrix operations torch.utils.flop_counter has no formula for: the grouped GEMMs of mixtures
-#: of experts (transformers 5 multiplies its 3-d expert weights with ``torch._grouped_mm``).
+#: of experts (transformers 5 multiplies its 3-d expert weights with ``torch._grouped_mm``),
+#: and the CPU's fused attention (where the meta pass fails and the analysis runs on the CPU).
 _MORE_FLOPS: dict[Any, Any] = {
     torch.ops.aten._grouped_mm: _grouped_mm_flops,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention_flops,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: (
+        _cpu_attention_backward_flops
+    ),
 }
 if hasattr(torch.ops.aten, "_scaled_grouped_mm"):
     _MORE_FLOPS[torch.ops.aten._scaled_grouped_mm] = _grouped_mm_flops
@@ -136,6 +167,7 @@ class Recorder:
         self.in_backward = False
         self.failed_op: str | None = None
         self.tags: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.carried: WeakIdKeyDictionary = WeakIdKeyDictionary()  # activation -> _Weight
         self.nodes: dict[Any, str | None] = {}  # autograd node -> layer
         self.scopes: list[tuple[int, str | None]] = []  # (id, owner; None: several layers)
         self._next_scope = 1
@@ -199,7 +231,8 @@ class Recorder:
         acts = [(t, g) for t, g in zip(inputs, tags, strict=True) if isinstance(g, _Act)]
         outs = _tensors(out)
         if flops:
-            layer, reason = self._owner(tags)
+            weights = [self.carried.get(t, g) for t, g in zip(inputs, tags, strict=True)]
+            layer, reason = self._owner(weights)
             if layer is None:
                 self.uncovered[reason] += flops
                 sources = frozenset().union(*(g.sources for _, g in acts))
@@ -215,8 +248,8 @@ class Recorder:
             slot[0] += nbytes
             slot[1] += 1
         weights = [g for g in tags if isinstance(g, _Weight)]
-        # integer tensors are indices: a parameter indexed by them (one expert's matrix out of
-        # a 3-d expert weight) is still that parameter
+        # untagged integer tensors are constant indices: a parameter indexed by them (one
+        # expert's matrix out of a 3-d expert weight) is still that parameter
         values = [g for t, g in zip(inputs, tags, strict=True) if t.is_floating_point() or g]
         if (
             weights
@@ -231,6 +264,22 @@ class Recorder:
             return
         sources = frozenset().union(*(g.sources for _, g in acts))
         self._tag(outs, _Act(sources))
+        self._carry(name.split(".")[-1], func.is_view, inputs, tags, outs)
+
+    def _carry(self, name: str, view: bool, inputs: list, tags: list, outs: list) -> None:
+        """Remember the parameter whose values an activation holds: one gathered by indices
+        computed from the data (a mixture of experts' weight matrices picked per token, by the
+        router's choice), or a view of such a gathering, so that a matmul with it is counted as
+        that parameter's."""
+        floats = [(t, g) for t, g in zip(inputs, tags, strict=True) if t.is_floating_point()]
+        if len(floats) != 1:
+            return
+        t, g = floats[0]
+        carried = g if name in _GATHERS and isinstance(g, _Weight) and not g.bias else None
+        carried = carried or (self.carried.get(t) if view else None)
+        if carried is not None:
+            for out in outs:
+                self.carried[out] = carried
 
     def _owner(self, tags: list[Any]) -> tuple[str | None, str]:
         """The layer a forward matrix op belongs to, or None and why no layer covers it."""
