@@ -24,43 +24,35 @@ def _tokens(module: nn.Module, vocab: int = VOCAB, seq_len: int = SEQ_LEN) -> nn
     return module
 
 
-def mixtral(num_classes: int = 10) -> nn.Module:
-    """Hugging Face Mixtral: 2 layers, 4 experts, top-2 routing, hidden 128 (experts
-    ``gate_up_proj`` [4, 512, 128], ``down_proj`` [4, 128, 256])."""
+def _decoder(family: str, num_classes: int, **extra: int) -> nn.Module:
+    """A decoder-only Hugging Face classifier ``<family>ForSequenceClassification`` from its
+    ``<family>Config``: 2 layers, hidden 128, 4 heads (2 key-value heads)."""
     import transformers as tf
 
-    config = tf.MixtralConfig(
+    config = getattr(tf, f"{family}Config")(
         vocab_size=VOCAB,
         hidden_size=128,
         intermediate_size=256,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        num_local_experts=4,
-        num_experts_per_tok=2,
         max_position_embeddings=SEQ_LEN * 4,
         num_labels=num_classes,
         pad_token_id=0,
+        **extra,
     )
-    return _tokens(tf.MixtralForSequenceClassification(config))
+    return _tokens(getattr(tf, f"{family}ForSequenceClassification")(config))
+
+
+def mixtral(num_classes: int = 10) -> nn.Module:
+    """Hugging Face Mixtral: 2 layers, 4 experts, top-2 routing, hidden 128 (experts
+    ``gate_up_proj`` [4, 512, 128], ``down_proj`` [4, 128, 256])."""
+    return _decoder("Mixtral", num_classes, num_local_experts=4, num_experts_per_tok=2)
 
 
 def qwen2(num_classes: int = 10) -> nn.Module:
     """Hugging Face Qwen2: 2 layers, hidden 128."""
-    import transformers as tf
-
-    config = tf.Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=SEQ_LEN * 4,
-        num_labels=num_classes,
-        pad_token_id=0,
-    )
-    return _tokens(tf.Qwen2ForSequenceClassification(config))
+    return _decoder("Qwen2", num_classes)
 
 
 def t5(num_classes: int = 10) -> nn.Module:
