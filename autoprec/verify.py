@@ -19,8 +19,11 @@ A run of the policy or of a reference arm other than fp32 that diverges (its los
 evaluator penalises a diverged fine-tune (:mod:`autoprec.evaluate.scoring`: final and
 validation loss at ``1 +`` :data:`~autoprec.evaluate.scoring.PENALTY_LOSS_DELTA` times that
 seed's fp32 run, accuracy 0), its arm counts the seeds that diverged, and a policy that diverged
-in any seed is outside the tolerance. fp32 diverging is an error: there is nothing to compare
-with.
+in any seed is outside the tolerance; so is a run whose final training or validation loss is
+inf/NaN. fp32 diverging is an error: there is nothing to compare with.
+
+Each finished run is kept in the cache (:mod:`autoprec.verify_store`, keyed by all that
+determines it), so a verification stopped part way (``stop``, a crash) resumes where it stopped.
 
 Example:
     >>> from autoprec.policy import PrecisionPolicy
@@ -38,7 +41,7 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -46,6 +49,7 @@ from autoprec.evaluate.reward import DEFAULT_TOLERANCE
 from autoprec.policy import PrecisionPolicy
 from autoprec.precision import PRECISION_NAMES
 from autoprec.verify_results import ArmResult, RunResult, VerifyResult
+from autoprec.verify_store import load_run, run_key, store_run
 
 __all__ = [
     "DEFAULT_ARMS",
@@ -119,6 +123,10 @@ class VerifyConfig:
             raise VerifyError(f"give steps or epochs, not both (got {self.steps}, {self.epochs})")
         if not self.seeds or len(set(self.seeds)) != len(self.seeds):
             raise VerifyError(f"seeds must be distinct and at least one; got {list(self.seeds)}")
+        from autoprec.train_checks import check_seed  # torch: not at the CLI's start
+
+        for seed in self.seeds:
+            check_seed(seed, VerifyError)
         known = ("fp32", "amp", *PRECISION_NAMES)
         for arm in self.arms:
             if arm not in known:
@@ -166,6 +174,7 @@ def verify(
     target: Any = None,
     checkpoint: str | os.PathLike[str] | None = None,
     callback: VerifyCallback | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> VerifyResult:
     """Train ``policy`` and the reference arms from scratch (or ``checkpoint``) and compare.
 
@@ -177,7 +186,13 @@ def verify(
             policy's ``target.device``).
         checkpoint: a checkpoint of ``autoprec train`` (``last.pt``) or a state dict file whose
             weights every run starts from, instead of fresh ones.
-        callback: told of every run's start, step and end.
+        callback: told of every run's start, step and end (a run kept from an earlier
+            verification too: its ``kept`` is True).
+        stop: polled before every optimizer step; once it returns True the run in progress
+            stops (:class:`~autoprec.train.TrainInterrupted`); the finished runs are kept.
+
+    Every finished run is kept in the cache as it finishes (:mod:`autoprec.verify_store`), so
+    the same verification run again trains only the runs that did not finish.
 
     Each seed trains fp32 first; an fp32 run whose final loss is not below its first step's, or
     that diverges, is an error (every delta would be to a model that did not learn). Another
@@ -188,6 +203,7 @@ def verify(
             did not learn or diverged.
         PolicyMismatchError: the policy does not fit the model.
         ModelError, DatasetError, TrainConfigError: as :func:`autoprec.train.train`.
+        TrainInterrupted: ``stop()`` returned True.
     """
     from autoprec.data import load_dataset_for
     from autoprec.evaluate.scoring import relative_loss_delta
@@ -213,19 +229,31 @@ def verify(
         initial = weights if weights is not None else spec.module.state_dict()
         initial = {k: v.detach().clone() for k, v in initial.items()}
         for arm in sorted(arms, key=lambda a: a != "fp32"):  # fp32 first: it must learn
-            _load(spec.module, initial, checkpoint)  # every arm starts from the same weights
+            key = run_key(model, arm, arms[arm].digest(), seed, config, checkpoint)
             if callback is not None:
                 callback.run_started(arm, seed)
-            reference = None if arm == "fp32" else runs["fp32"][-1]  # a diverged run's penalty
-            try:
-                run = run_arm(
-                    spec, data, arm, arms[arm], seed, config, callback, penalise_against=reference
-                )
-            except TrainDivergedError as err:  # fp32's: there is nothing to compare with
-                raise VerifyError(
-                    f"fp32 diverged (seed {seed}, lr {config.lr:g}): {err}; a verdict needs an "
-                    "fp32 run that learns: give a lower --lr"
-                ) from None
+            run = load_run(key)
+            if run is None:
+                _load(spec.module, initial, checkpoint)  # every arm starts from the same weights
+                reference = None if arm == "fp32" else runs["fp32"][-1]  # a divergence's penalty
+                try:
+                    run = run_arm(
+                        spec,
+                        data,
+                        arm,
+                        arms[arm],
+                        seed,
+                        config,
+                        callback,
+                        penalise_against=reference,
+                        stop=stop,
+                    )
+                except TrainDivergedError as err:  # fp32's: there is nothing to compare with
+                    raise VerifyError(
+                        f"fp32 diverged (seed {seed}, lr {config.lr:g}): {err}; a verdict needs "
+                        "an fp32 run that learns: give a lower --lr"
+                    ) from None
+                store_run(key, run)
             runs[arm].append(run)
             if callback is not None:
                 callback.run_finished(run)
@@ -261,6 +289,7 @@ def run_arm(
     callback: VerifyCallback | None = None,
     *,
     penalise_against: RunResult | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> RunResult:
     """One arm trained with one seed by :func:`autoprec.train.train`, as :func:`verify` does.
 
@@ -269,11 +298,14 @@ def run_arm(
     of steps. experiments/full_training.py trains its ground truth through this.
 
     Args:
-        penalise_against: the seed's fp32 run: a run that diverges is returned penalised
-            against it (:func:`penalised_run`) instead of raising.
+        penalise_against: the seed's fp32 run: a run that diverges (or ends with an inf/NaN
+            loss) is returned penalised against it (:func:`penalised_run`) instead of raising.
+        stop: as :func:`autoprec.train.train`'s.
 
     Raises:
-        TrainDivergedError: the run diverged and there is nothing to penalise it against.
+        TrainDivergedError: the run diverged (or its final loss is inf/NaN) and there is nothing
+            to penalise it against.
+        TrainInterrupted: ``stop()`` returned True.
         PolicyMismatchError, TrainConfigError: as :func:`autoprec.train.train`.
     """
     from autoprec.train import TrainDivergedError, train
@@ -292,18 +324,25 @@ def run_arm(
 
     settings = {k: getattr(config, k) for k in ("batch_size", "lr", "momentum", "device", "mode")}
     try:
-        done = train(spec, data, policy, **config.length, **settings, seed=seed, log=log)
+        done = train(spec, data, policy, **config.length, **settings, seed=seed, log=log, stop=stop)
+        window = max(1, round(len(done.train_loss) * FINAL_WINDOW))
+        final_loss = statistics.fmean(done.train_loss[-window:])
+        if not (math.isfinite(final_loss) and math.isfinite(done.val_loss)):
+            raise TrainDivergedError(
+                f"training diverged: its final training loss is {final_loss} and its "
+                f"validation loss {done.val_loss} (inf/NaN losses in its last {window} steps)",
+                done.steps,
+            )
     except TrainDivergedError as err:
         if penalise_against is None:
             raise
         took = time.perf_counter() - started
         steps = err.step if err.step is not None else len(curve)
         return penalised_run(arm, seed, str(err), curve, penalise_against, steps, took)
-    window = max(1, round(len(done.train_loss) * FINAL_WINDOW))
     return RunResult(
         arm=arm,
         seed=seed,
-        final_loss=statistics.fmean(done.train_loss[-window:]),
+        final_loss=final_loss,
         val_loss=done.val_loss,
         val_accuracy=done.val_accuracy,
         steps=done.steps,
@@ -355,13 +394,9 @@ def _load(module: Any, weights: Mapping[str, Any], checkpoint: Any) -> None:
 
 def _read_weights(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The model weights of a checkpoint of ``autoprec train`` (its ``model``) or a state dict."""
-    import torch
+    from autoprec.checkpoint import read_torch_file
 
-    try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # noqa: BLE001 - any unreadable file gets the same line
-        text = " ".join(str(err).split())[:200]
-        raise VerifyError(f"cannot read checkpoint {path}: {text}") from None
+    data = read_torch_file(path, VerifyError)
     weights = data.get("model", data) if isinstance(data, Mapping) else None
     if not isinstance(weights, Mapping) or not all(hasattr(v, "shape") for v in weights.values()):
         raise VerifyError(

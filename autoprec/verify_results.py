@@ -39,6 +39,7 @@ class RunResult:
     overflows: int = 0
     wall_time_s: float = 0.0
     diverged: str | None = None  # why training stopped (penalised run), None: it finished
+    kept: bool = False  # read back from an earlier verification's store, not trained now
 
 
 @dataclass(frozen=True)

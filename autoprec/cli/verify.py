@@ -10,6 +10,14 @@ the policy file with a ``verification`` section (in place unless ``--out``), the
 as a PNG (``<out stem>.curves.png`` unless ``--plot``), both atomically; logged to MLflow unless
 ``--no-mlflow``: a parent run with a nested run per arm and seed.
 
+Each finished run is kept in the cache as it finishes (:mod:`autoprec.verify_store`): SIGTERM or
+Ctrl-C stops the run in training at its next step, prints one line naming the runs finished and
+exits 143 or 130; the same command resumes, training only the runs that did not finish. A
+progress line on stderr shows each run's step and the time left. The table and the verdict are
+printed before any file is written: a file that cannot be written (a full disk) costs the plot
+(one warning) or keeps the verified policy in the cache's recovered folder (one error line saying
+where), never the verdict.
+
 Example::
 
     autoprec verify best_policy.yaml --model tinycnn --dataset digits --steps 200 --seeds 3
@@ -86,6 +94,8 @@ SEARCH_VERIFY_SEEDS = 2
 @experiment_option
 def verify(policy_file: str, **o: Any) -> int:
     """Train POLICY_FILE's policy and the reference arms from scratch and write the verdict."""
+    from autoprec.cli.interrupt import terminate_as_interrupt
+
     names = {f.name for f in dataclasses.fields(VerifyConfig)} - {"seeds", "arms"}
     given = {name: o[name] for name in names & set(o) if o[name] is not None or name != "lr"}
     config = VerifyConfig(
@@ -93,21 +103,33 @@ def verify(policy_file: str, **o: Any) -> int:
         seeds=tuple(range(o["seed"], o["seed"] + max(o["seeds"], 0))),
         arms=tuple(o["arms"].split(",")),
     )
-    run_verification(
-        policy_file,
-        o["model_name"],
-        config,
-        out=o["out"],
-        plot=o["plot"],
-        target=o["target"],
-        checkpoint=o["checkpoint"],
-        rate_from_policy=o["lr"] is None,
-        tracking={
-            "enabled": not o["no_mlflow"],
-            "uri": o["tracking_uri"],
-            "experiment": o["experiment"],
-        },
-    )
+    try:
+        with terminate_as_interrupt():  # until the runs start: SIGTERM is Ctrl-C
+            run_verification(
+                policy_file,
+                o["model_name"],
+                config,
+                out=o["out"],
+                plot=o["plot"],
+                target=o["target"],
+                checkpoint=o["checkpoint"],
+                rate_from_policy=o["lr"] is None,
+                tracking={
+                    "enabled": not o["no_mlflow"],
+                    "uri": o["tracking_uri"],
+                    "experiment": o["experiment"],
+                },
+            )
+    except VerifyInterrupted as err:
+        click.echo(f"autoprec: {err}", err=True)
+        return err.status
+    except KeyboardInterrupt:  # outside the runs: what finished is kept
+        click.echo(
+            "autoprec: verification interrupted; its finished runs are kept: run the same "
+            "command to resume",
+            err=True,
+        )
+        return 130
     return 0
 
 
@@ -151,11 +173,13 @@ def run_verification(
     verify`` and ``autoprec search --verify``; returns the ``VerifyResult``.
     """
     from autoprec.cli._setup import check_writable, resolve_target
+    from autoprec.cli.interrupt import stop_at_boundary
+    from autoprec.cli.search_progress import console
+    from autoprec.cli.sensitivity_progress import sensitivity_progress
     from autoprec.hardware import get_device
     from autoprec.models import load_model
-    from autoprec.policy_io import load_policy, policy_format, save_policy
+    from autoprec.policy_io import load_policy, policy_format
     from autoprec.tracking import VerifyTracker
-    from autoprec.tracking.plots import curves_figure, save_png
     from autoprec.verify import verify as run
 
     out = Path(out if out is not None else policy_file)
@@ -203,26 +227,77 @@ def run_verification(
         length=str(length.get("steps") or f"{length['epochs']} epochs"),
         echo=echo,
     )
+    callback = _Echo(tracker, echo, config)
+    stop = None
     try:
-        result = run(
-            policy,
-            model_name,
-            config,
-            target=device,
-            checkpoint=checkpoint,
-            callback=_Echo(tracker, echo),
-        )
-        title = f"{spec.name} on {result.dataset}: {out.name} ({result.verdict})"
-        save_png(plot, curves_figure(result, title))
-        save_policy(policy.replace(verification=result.section()), out)
-    except BaseException as err:
-        tracker.close("KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED")
+        with (
+            stop_at_boundary() as stop,  # SIGTERM and Ctrl-C stop at a step boundary
+            sensitivity_progress(console(), "verify") as (callback.progress, _),
+        ):
+            result = run(
+                policy,
+                model_name,
+                config,
+                target=device,
+                checkpoint=checkpoint,
+                callback=callback,
+                stop=stop,
+            )
+    except KeyboardInterrupt:  # TrainInterrupted, or a second signal
+        tracker.close("KILLED")
+        raise callback.interrupted(getattr(stop, "signal", None)) from None
+    except BaseException:
+        tracker.close("FAILED")
         raise
-    tracker.finish(result, artifacts=[out, plot])
-    for line in table(result):
+    for line in table(result):  # the verdict first: no file that fails to write can lose it
         echo(line)
-    echo(f"written: {out} (verification section), {plot}")
+    title = f"{spec.name} on {result.dataset}: {out.name} ({result.verdict})"
+    drawn = _write_plot(plot, result, title)
+    failure = _write_policy(policy.replace(verification=result.section()), out)
+    written = ([] if failure else [out]) + ([drawn] if drawn else [])
+    tracker.finish(result, artifacts=written)
+    if failure is not None:
+        raise VerifyError(failure)
+    echo(f"written: {out} (verification section)" + (f", {drawn}" if drawn else ""))
     return result
+
+
+def _write_plot(plot: Path, result: Any, title: str) -> Path | None:
+    """The learning curves at ``plot``, or None and one warning where they cannot be written."""
+    import warnings
+
+    from autoprec.cache import reason
+    from autoprec.tracking.plots import curves_figure, save_png
+
+    try:
+        return save_png(plot, curves_figure(result, title))
+    except (OSError, ValueError) as err:  # a full disk (ValueError: the cache's OutputError)
+        text = f"cannot write {plot}: {reason(err)}" if isinstance(err, OSError) else str(err)
+        warnings.warn(f"{text}; the verdict is above, the plot is left out", stacklevel=2)
+        return None
+
+
+def _write_policy(policy: Any, out: Path) -> str | None:
+    """Write the verified ``policy`` to ``out``; None, or the one-line error of a write that
+    failed: its text is then kept in the cache's recovered folder (else printed on stdout)."""
+    from autoprec.cache import keep_text, reason
+    from autoprec.policy_io import format_policy, policy_format, save_policy
+
+    try:
+        save_policy(policy, out)
+    except OSError as err:
+        text = format_policy(policy, policy_format(out))
+        kept = keep_text(out.name, text)
+        if kept is None:
+            click.echo(text, nl=False)
+        where = "printed on stdout" if kept is None else f"kept in {kept}"
+        return (
+            f"cannot write {out}: {reason(err)}; the verified policy is {where}: copy it to "
+            f"{out} once there is room"
+        )
+    except ValueError as err:  # the cache's OutputError: it says where the text is kept
+        return str(err)
+    return None
 
 
 def table(result: Any) -> list[str]:
@@ -269,29 +344,82 @@ def table(result: Any) -> list[str]:
     return lines
 
 
-class _Echo:
-    """The verification's callback: the tracker's calls and one printed line per run."""
+class VerifyInterrupted(KeyboardInterrupt):
+    """SIGTERM or Ctrl-C stopped a verification; the message says which runs finished (they
+    are kept: the same command resumes) and ``status`` is the exit status (128 + the signal)."""
 
-    def __init__(self, tracker: Any, echo: Callable[[str], Any]) -> None:
-        self.tracker, self.echo = tracker, echo
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class _Echo:
+    """The verification's callback: the tracker's calls, one printed line per run, the progress
+    of the run in training (``progress(stage, done, total)``) and the runs finished so far."""
+
+    def __init__(self, tracker: Any, echo: Callable[[str], Any], config: VerifyConfig) -> None:
+        self.tracker, self.echo, self.config = tracker, echo, config
+        self.progress: Callable[[str, int, int], None] = lambda *_: None
+        self.current: tuple[str, int] | None = None
+        self.finished: list[tuple[str, int]] = []
 
     def run_started(self, arm: str, seed: int) -> None:
+        self.current = (arm, seed)
         self.tracker.run_started(arm, seed)
 
     def log(self, arm: str, seed: int, step: int, metrics: Mapping[str, float]) -> None:
         self.tracker.log(arm, seed, step, metrics)
+        if "train_loss" in metrics:
+            steps, epoch = self.config.steps, metrics.get("epoch") or 0.0
+            total = (
+                steps
+                if steps is not None
+                else (self.config.epochs or 1) * (round(step / epoch) if epoch else 1)
+            )
+            self.progress(f"{arm} seed {seed}: step", step, total)
 
     def run_finished(self, run: Any) -> None:
+        self.finished.append((run.arm, run.seed))
+        self.current = None
         self.tracker.run_finished(run)
+        kept = " (kept from an earlier verification)" if run.kept else ""
         if run.diverged is not None:
             self.echo(
                 f"  {run.arm} seed {run.seed}: diverged at step {run.steps}, after "
-                f"{run.wall_time_s:.1f} s (penalised)"
+                f"{run.wall_time_s:.1f} s (penalised){kept}"
             )
             return
         self.echo(
             f"  {run.arm} seed {run.seed}: {run.steps} steps in {run.wall_time_s:.1f} s, final "
-            f"loss {run.final_loss:.4f}, val accuracy {run.val_accuracy:.2%}"
+            f"loss {run.final_loss:.4f}, val accuracy {run.val_accuracy:.2%}{kept}"
+        )
+
+    def interrupted(self, signame: str | None) -> VerifyInterrupted:
+        """The one line (and exit status) of a verification stopped by ``signame``."""
+        import signal
+
+        from autoprec.cache import cache_dir
+        from autoprec.verify_store import STORE_FOLDER
+
+        signame = signame or "SIGINT"
+        total = (1 + len(self.config.arms)) * len(self.config.seeds)
+        where = f" during {self.current[0]} seed {self.current[1]}" if self.current else ""
+        by_arm: dict[str, list[str]] = {}
+        for arm, seed in self.finished:
+            by_arm.setdefault(arm, []).append(str(seed))
+        done = "; ".join(
+            f"{arm} seed{'s' if len(seeds) > 1 else ''} {', '.join(seeds)}"
+            for arm, seeds in by_arm.items()
+        )
+        kept = (
+            f"{len(self.finished)} of {total} runs finished ({done}), kept in "
+            f"{cache_dir() / STORE_FOLDER}: run the same command to resume"
+            if self.finished
+            else f"none of the {total} runs finished: the same command starts again"
+        )
+        return VerifyInterrupted(
+            f"verification interrupted by {signame}{where}; {kept}",
+            128 + int(signal.Signals[signame]),
         )
 
 
