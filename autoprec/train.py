@@ -316,19 +316,9 @@ def train(
             if not loop.weights_finite():  # never write weights that are no longer numbers
                 raise TrainDivergedError(_nan_weights(step, history, path, saved_at), step)
             overflows = prior_overflows + sum_over_ranks(handle.totals()["overflows"], dev)
+            state = (module, optimizer, scaler, step, config, history, val_history, overflows)
             try:
-                save_checkpoint(
-                    path,
-                    module,
-                    optimizer,
-                    scaler,
-                    step,
-                    config,
-                    history,
-                    val_history,
-                    overflows,
-                    dev,
-                )
+                save_checkpoint(path, *state, dev)
             except OSError as err:  # a full or read-only disk: the training itself goes on
                 if not failed_writes:
                     warnings.warn(_unwritten(path, err, saved_at), stacklevel=2)
