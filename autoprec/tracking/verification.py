@@ -84,6 +84,12 @@ class VerifyTracker(RunSettings):
         if not self.active or key not in self.runs:
             return
         with self.client.guard(f"cannot finish the run of {run.arm}, seed {run.seed}"):
+            if getattr(run, "kept", False):  # read back from the store: log its curves now
+                for step, loss in enumerate(run.curve, 1):
+                    self.log(run.arm, run.seed, step, {"train_loss": loss})
+                for step, val_loss, val_accuracy in run.val_curve:
+                    metrics = {"val_loss": val_loss, "val_accuracy": val_accuracy}
+                    self.log(run.arm, run.seed, step, metrics)
             self._flush(key)
             final = {
                 "final_train_loss": run.final_loss,

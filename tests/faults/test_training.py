@@ -365,3 +365,21 @@ def test_verify_shows_each_runs_progress_with_the_time_left(tmp_path, capsys, mo
     assert outcome.status == 0, outcome.err
     for arm in ("fp32", "policy"):
         assert outcome.lines(f"verify: {arm} seed 0: step: 1/2")
+
+
+def test_a_resumed_verification_logs_the_kept_runs_curves_to_mlflow(tmp_path, capsys, monkeypatch):
+    from mlflow import MlflowClient
+    from test_tracking import parents_and_children, runs_of
+
+    monkeypatch.delenv("AUTOPREC_NO_MLFLOW")
+    policy, uri = _policy(tmp_path), f"sqlite:///{tmp_path}/mlflow.db"
+    args = ["verify", policy, *VERIFY[:-1], "--seeds", "1"]  # VERIFY without --no-mlflow
+    assert run_cli(capsys, [*args, "--no-mlflow"]).status == 0  # every run kept
+    outcome = run_cli(capsys, [*args, "--tracking-uri", uri])
+    assert outcome.status == 0 and outcome.out.count("kept from an earlier verification") == 2
+    parents, children = parents_and_children(runs_of(uri, "autoprec/tinycnn"))
+    (parent,) = parents
+    for run in children[parent.info.run_id]:
+        history = MlflowClient(uri).get_metric_history(run.info.run_id, "train_loss")
+        assert [m.step for m in history] == [1, 2]
+        assert "final_val_accuracy" in run.data.metrics
