@@ -72,9 +72,10 @@ class DataBundle:
             raise DatasetError(f"unknown task {self.task!r}; expected one of {', '.join(TASKS)}")
         self.input_shape = tuple(int(d) for d in self.input_shape)
 
-    def _check_batch_size(self, batch_size: int) -> None:
-        """A batch size >= 1 whose batch of inputs fits in the machine's memory
-        (:class:`~autoprec._memory.SizeError` names what to lower)."""
+    def check_batch(self, batch_size: int) -> None:
+        """Raise unless ``batch_size`` is >= 1 and a batch of its inputs fits in the machine's
+        memory (:class:`~autoprec._memory.SizeError` names what to lower); the loaders check
+        it, and so should whatever draws batches of the splits itself."""
         if batch_size < 1:
             raise DatasetError(f"batch_size must be >= 1; got {batch_size}")
         itemsize = 8 if self.vocab_size is not None else 4  # token ids are int64
@@ -109,7 +110,7 @@ class DataBundle:
             drop_last: drop a final incomplete batch.
         """
         dataset = self.split(split)
-        self._check_batch_size(batch_size)
+        self.check_batch(batch_size)
         if shuffle is None:
             shuffle = split == "train"
         generator = torch.Generator().manual_seed(seed)
@@ -132,7 +133,7 @@ class DataBundle:
         batch is full). Useful for sensitivity probes and calibration.
         """
         dataset = self.split(split)
-        self._check_batch_size(batch_size)
+        self.check_batch(batch_size)
         if n < 1:
             raise DatasetError(f"fixed_batches needs n >= 1 batches; got {n}")
         size = len(dataset)  # type: ignore[arg-type]
