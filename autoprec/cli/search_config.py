@@ -14,8 +14,8 @@ import click
 
 from autoprec._datafile import DataFileError, parse_yaml, read_text
 from autoprec._text import EXCERPT_CHARS, excerpt
+from autoprec._values import INT32_MAX, SEED_RANGE, NumberRange, is_number, kind
 from autoprec.defaults import MAX_BATCH_SIZE, MAX_BUDGET, MAX_IMAGE_SIZE
-from autoprec.policy_fields import INT32_MAX, SEED_RANGE, NumberRange, is_number, kind
 
 #: The range of each numeric option of ``search`` (and of its config file's keys); an option
 #: left at None (its default is computed) is not checked.
