@@ -137,7 +137,10 @@ class TrainResult:
             count of the run that wrote a resumed checkpoint included).
         skipped_steps: optimizer steps the loss scaler skipped (inf/NaN gradients).
         wall_time_s: seconds this call took.
-        checkpoint: the checkpoint file, or None without ``checkpoint_dir``.
+        checkpoint: the checkpoint file, or None without ``checkpoint_dir`` (or when none
+            could be written).
+        checkpoint_step: the step the checkpoint holds (below ``steps`` when the later writes
+            failed: a full disk), or None.
         resumed_from: the step the run resumed from, or None for a fresh start.
         world_size: number of processes (1 without DDP).
         rank: this process's rank.
@@ -155,6 +158,7 @@ class TrainResult:
     skipped_steps: int = 0
     wall_time_s: float = 0.0
     checkpoint: Path | None = None
+    checkpoint_step: int | None = None
     resumed_from: int | None = None
     world_size: int = 1
     rank: int = 0
@@ -240,6 +244,7 @@ def train(
         momentum,
     )
     check_seed(seed)
+    data.check_batch(batch_size)  # a batch beyond the machine's memory: one line, now
     rank, world, local_rank = dist_env()
     dev = pick_device(device, local_rank if world > 1 else None)
     run_mode = pick_mode(mode, dev)
@@ -404,6 +409,7 @@ def train(
             skipped_steps=scaler.skipped_steps,
             wall_time_s=time.perf_counter() - start,
             checkpoint=path if saved_at is not None else None,
+            checkpoint_step=saved_at if path is not None else None,
             resumed_from=resumed_from,
             world_size=world,
             rank=rank,

@@ -225,7 +225,9 @@ def _report(result: Any) -> None:
         f"{result.skipped_steps}"
     )
     if result.checkpoint is not None:
-        click.echo(f"checkpoint: {result.checkpoint}")
+        old = result.checkpoint_step != result.steps
+        held = f" (step {result.checkpoint_step}: the later writes failed)" if old else ""
+        click.echo(f"checkpoint: {result.checkpoint}{held}")
 
 
 def _interrupted(err: KeyboardInterrupt, checkpoint_dir: str | None) -> str:

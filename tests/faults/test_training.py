@@ -127,6 +127,7 @@ def test_a_checkpoint_write_that_fails_mid_run_is_one_warning_and_training_goes_
     (line,) = outcome.lines("autoprec: warning:")
     assert f"cannot write the checkpoint {folder / 'last.pt'} (No space left on device)" in line
     assert "still holds step 1" in line
+    assert f"checkpoint: {folder / 'last.pt'} (step 1: the later writes failed)" in outcome.out
     assert torch.load(folder / "last.pt", weights_only=True)["step"] == 1  # the last good one
 
 
