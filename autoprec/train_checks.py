@@ -9,8 +9,9 @@ from typing import Any
 
 import torch
 
+from autoprec._values import SEED_RANGE
 from autoprec.policy import PolicyMismatchError, PrecisionPolicy, resolve_mode
-from autoprec.policy_fields import COMPILED, SEED_RANGE
+from autoprec.policy_fields import COMPILED
 from autoprec.runtime.compiled import NotCompilableError, check_compilable
 
 __all__ = [
@@ -49,7 +50,7 @@ def check_settings(
 
 
 def check_seed(seed: Any, error: type[ValueError] | None = None, name: str = "seed") -> int:
-    """``seed`` if it lies in :data:`~autoprec.policy_fields.SEED_RANGE`, the rule of every
+    """``seed`` if it lies in :data:`~autoprec._values.SEED_RANGE`, the rule of every
     command's seed (``search`` checks its option by it too).
 
     Raises:

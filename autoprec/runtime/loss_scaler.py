@@ -24,8 +24,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from autoprec._values import FLOAT32_MAX
 from autoprec.policy import LOSS_SCALING_KINDS
-from autoprec.policy_fields import FLOAT32_MAX
 
 __all__ = ["LOSS_SCALER_KINDS", "SCALE_RANGE", "LossScaler", "ScaleRecord"]
 
