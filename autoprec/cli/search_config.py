@@ -50,14 +50,28 @@ def merge_config(ctx: click.Context, options: dict[str, Any]) -> dict[str, Any]:
     one line naming the file and line or the flag.
     """
     path = options.pop("config_path")
-    given = {k for k in options if _from_command_line(ctx, k)}
     lines: dict[str, str] = {}
     if path is not None:
         lines = _read_config(ctx, Path(path), options)
-    for name, value in options.items():
-        where = lines.get(name) or (f"--{name.replace('_', '-')}" if name in given else name)
-        _check_value(name, value, where)
+    check_options(options, lines)
     return options
+
+
+def check_options(options: dict[str, Any], where: dict[str, str] | None = None) -> None:
+    """Check every option of :data:`OPTION_RANGES` (and ``precisions``, ``storage``) in
+    ``options``, of ``search`` or of any command that shares them (``migrate``).
+
+    Args:
+        options: option name (``train_batch_size``) to value; None values are not checked.
+        where: how to name an option in the error (``"config F, line N: key"``); by default
+            its flag (``--train-batch-size``).
+
+    Raises:
+        SearchSetupError: one line naming the option and its range.
+    """
+    where = where or {}
+    for name, value in options.items():
+        _check_value(name, value, where.get(name) or f"--{name.replace('_', '-')}")
 
 
 def _from_command_line(ctx: click.Context, name: str) -> bool:

@@ -94,6 +94,34 @@ def test_a_bad_search_option_is_one_line_before_any_work(capsys, tmp_path, extra
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.pt"))
 
 
+# (case, arguments, needles): the same ranges in the commands that share search's options
+COMMAND_CASES = [
+    ("migrate_seed", ["migrate", "--model", "tinycnn", "--seed", "-3"], ["--seed must be"]),
+    ("migrate_steps", ["migrate", "--model", "tinycnn", "--steps", "0"], ["--steps must be"]),
+    (
+        "migrate_batch",
+        ["migrate", "--model", "tinycnn", "--train-batch-size", "1" + "0" * 24],
+        ["--train-batch-size must be an integer between 1 and 16,777,216"],
+    ),
+    ("calibrate_repeats_0", ["hardware", "calibrate", "--repeats", "0"],
+     ["repeats must be an integer between 1"]),
+    (
+        "estimate_batch_1e24",
+        ["hardware", "estimate", "--model", "tinycnn", "--device", "h100-sxm", "--batch-size",
+         "1" + "0" * 24, "--precision", "bf16"],
+        ["--batch-size must be an integer between 1 and 16,777,216"],
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("args", "needles"), [c[1:] for c in COMMAND_CASES],
+                         ids=[c[0] for c in COMMAND_CASES])  # fmt: skip
+def test_a_bad_option_of_another_command_is_one_line(capsys, args, needles):
+    outcome = run_cli(capsys, args)
+    one_line_error(outcome, *needles)
+    assert "migrating" not in outcome.out
+
+
 def _user_model(tmp_path, monkeypatch) -> str:
     """A user's factory declaring an input of 3 x 100000 x 100000 (120 GB a batch of one)."""
     (tmp_path / "bigin.py").write_text(
@@ -117,8 +145,11 @@ SIZE_CASES = [
     (
         "search_num_classes",
         [*SEARCH, "--num-classes", "1000000000"],
-        ["model 'tinycnn' with 65,000,037,680 parameters", "more than this machine's 16.0 GiB",
-         "lower num_classes (1,000,000,000"],
+        [
+            "model 'tinycnn' with 65,000,037,680 parameters",
+            "more than this machine's 16.0 GiB",
+            "lower num_classes (1,000,000,000",
+        ],
     ),
     (
         "search_image_size",
@@ -135,16 +166,8 @@ SIZE_CASES = [
         ["analyze", "--model", "mlp", "--num-classes", "1000000000", "--no-sensitivity"],
         ["lower num_classes"],
     ),
-    (
-        "estimate_batch_1e24",
-        ["hardware", "estimate", "--model", "tinycnn", "--device", "h100-sxm", "--batch-size",
-         "1" + "0" * 24, "--precision", "bf16"],
-        ["--batch-size must be an integer between 1 and 16,777,216"],
-    ),
     ("user_input_shape", "USER", ["shape (3, 100000, 100000)", "autoprec_input_shape"]),
-    ("calibrate_repeats_0", ["hardware", "calibrate", "--repeats", "0"],
-     ["repeats must be an integer between 1"]),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("args", "needles"), [c[1:] for c in SIZE_CASES],
