@@ -9,6 +9,12 @@ be read (truncated, junk, from another program) is discarded and recomputed
 (:func:`read_entry`), one that cannot be written (a full disk) is skipped
 (:func:`write_entry`), each with a one-line :class:`CacheNote` naming the file. The command
 line prints these notes as ``autoprec: note: ...``.
+
+Every output the user asks for is written by :func:`write_output`: atomically, replacing a link
+at its path rather than writing through it, and where it cannot be written, kept in the cache's
+``recovered`` folder with a one-line :class:`OutputError` saying where. A name that becomes a
+path (a search's name, a kept file's) goes through :func:`path_in`, which keeps it inside its
+folder.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import errno
+import io
 import os
 import secrets
 import sqlite3
@@ -25,6 +32,8 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, TypeVar
+
+from autoprec._text import excerpt
 
 T = TypeVar("T")
 REASON_CHARS = 120  # at most this much of an error's text in a note
@@ -36,6 +45,42 @@ class CacheDirError(ValueError):
 
 class CacheNote(UserWarning):
     """A cache entry was damaged and is recomputed, or a cache could not be written."""
+
+
+class UnsafeNameError(ValueError):
+    """A name that would become a path outside its folder (``..``, ``a/b``, ``/etc``, empty)."""
+
+
+class OutputError(ValueError):
+    """An output cannot be written (a full disk, a read-only folder); the message says where
+    its content was kept instead."""
+
+
+def path_in(folder: Path, name: str, what: str = "name") -> Path:
+    """``folder / name``, where ``name`` must be one plain entry of ``folder``: the one way a
+    name given by a user (a search's, a model's) becomes a path.
+
+    Example:
+        >>> path_in(Path("cache"), "tinycnn-seed0")
+        PosixPath('cache/tinycnn-seed0')
+
+    Raises:
+        UnsafeNameError: ``name`` is empty, ``.`` or ``..``, holds a path separator or a NUL, or
+            is not a string (``what`` names it in the one-line message).
+    """
+    separators = {"/", os.sep, os.altsep} - {None}
+    if (
+        not isinstance(name, str)
+        or name in ("", ".", "..")
+        or "\0" in name
+        or any(sep in name for sep in separators)
+    ):
+        raise UnsafeNameError(
+            f"{what} {excerpt(name)} cannot name an entry of {folder}: expected one plain name "
+            "(not empty, not '.' or '..', no '/'), so that nothing outside the folder is touched; "
+            f"choose another {what}"
+        )
+    return folder / name
 
 
 def cache_dir() -> Path:
@@ -153,12 +198,38 @@ def write_atomic(path: Path, write: Callable[[IO[Any]], None], binary: bool = Fa
             os.close(dirfd)
 
 
-def write_csv(
+def write_output(
     path: str | os.PathLike[str],
-    rows: Iterable[Mapping[str, Any]],
-    fields: Sequence[str] | None = None,
+    write: Callable[[IO[Any]], None],
+    binary: bool = False,
+    what: str = "output",
 ) -> Path:
-    """Write ``rows`` as CSV, atomically (:func:`write_atomic`); returns the path.
+    """:func:`write_atomic` for an output the user asked for; returns its path.
+
+    A link at ``path`` is replaced, never written through. Where the file cannot be written
+    (a full disk, a read-only folder), ``write`` is called again into the recovered folder
+    (:func:`keep`) and an :class:`OutputError` says where the content is.
+
+    Raises:
+        OutputError: ``path`` cannot be written (one line: the file, the reason, where it is
+            kept and how to get it back).
+    """
+    target = Path(path)
+    try:
+        write_atomic(target, write, binary)
+    except OSError as exc:
+        kept = keep(target.name, write, binary)
+        where = (
+            f"kept it in {kept}: copy it to {target} once there is room"
+            if kept is not None
+            else "it could not be kept anywhere else either"
+        )
+        raise OutputError(f"cannot write {what} {target}: {reason(exc)}; {where}") from None
+    return target
+
+
+def csv_text(rows: Iterable[Mapping[str, Any]], fields: Sequence[str] | None = None) -> str:
+    """``rows`` as CSV text.
 
     ``fields``: the columns, in order (keys outside them are left out, missing or None values
     are empty); None takes every key of the rows in order of first appearance.
@@ -169,21 +240,30 @@ def write_csv(
         for row in rows:
             fields += [k for k in row if k not in fields]
     columns = list(fields)
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=columns, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows({k: ("" if r.get(k) is None else r[k]) for k in columns} for r in rows)
+    return out.getvalue()
 
-    def write(fh: IO[Any]) -> None:
-        writer = csv.DictWriter(fh, fieldnames=columns, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows({k: ("" if r.get(k) is None else r[k]) for k in columns} for r in rows)
 
+def write_csv(
+    path: str | os.PathLike[str],
+    rows: Iterable[Mapping[str, Any]],
+    fields: Sequence[str] | None = None,
+) -> Path:
+    """Write ``rows`` as CSV (:func:`csv_text`), atomically (:func:`write_atomic`); returns
+    the path."""
+    text = csv_text(rows, fields)
     target = Path(path)
-    write_atomic(target, write)
+    write_atomic(target, lambda fh: fh.write(text))
     return target
 
 
-def keep_text(name: str, text: str) -> Path | None:
-    """Save ``text`` where it can be recovered when its real destination failed: a new file
-    ``recovered/<stem>-<time><suffix>`` in the cache folder, else in the temporary folder.
-    Returns its path, or None when neither can be written."""
+def keep(name: str, write: Callable[[IO[Any]], None], binary: bool = False) -> Path | None:
+    """Save what ``write`` writes where it can be recovered when its real destination failed:
+    a new file ``recovered/<stem>-<time><suffix>`` in the cache folder, else in the temporary
+    folder. Returns its path, or None when neither can be written."""
     stem, suffix = Path(name).stem, Path(name).suffix
     stamp = time.strftime("%Y%m%d-%H%M%S")
     folders: list[Callable[[], Path]] = [
@@ -192,9 +272,14 @@ def keep_text(name: str, text: str) -> Path | None:
     ]
     for folder in folders:
         try:
-            path = folder() / f"{stem}-{stamp}-{os.getpid()}{suffix}"
-            write_atomic(path, lambda fh: fh.write(text))
-        except (OSError, CacheDirError):
+            path = path_in(folder(), f"{stem}-{stamp}-{os.getpid()}{suffix}", "kept file")
+            write_atomic(path, write, binary)
+        except (OSError, CacheDirError, UnsafeNameError):
             continue
         return path
     return None
+
+
+def keep_text(name: str, text: str) -> Path | None:
+    """:func:`keep` for ``text``."""
+    return keep(name, lambda fh: fh.write(text))

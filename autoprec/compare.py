@@ -212,11 +212,10 @@ def plot_fronts(
     except Exception as err:  # noqa: BLE001 - any store failure is one line for the user
         raise CompareError(f"cannot read Pareto fronts from {uri}: {one_line(err)}") from None
 
-    from autoprec.cache import write_atomic
+    from autoprec.cache import write_output
 
     figure = _fronts_figure(fronts)
-    target = Path(path)
-    write_atomic(target, lambda fh: figure.savefig(fh, format="png"), binary=True)
+    write_output(path, lambda fh: figure.savefig(fh, format="png"), binary=True, what="plot")
     return [row["run_id"] for row, _ in fronts]
 
 

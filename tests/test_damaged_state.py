@@ -16,12 +16,12 @@ import errno
 import json
 import shutil
 import sqlite3
-import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import yaml
+from disk_fixtures import fill, tmpfs
 
 from autoprec.cli import main
 from autoprec.evaluate._store import EvaluationStore, load_state
@@ -326,33 +326,25 @@ def test_a_full_cache_disk_mid_search_turns_the_store_off_with_one_note(
 def full_disk(tmp_path) -> Iterator[Callable[[], Path]]:
     """A folder on a 1 MiB tmpfs and a function that fills it up; skipped where a tmpfs cannot
     be mounted (it needs root)."""
-    folder = tmp_path / "tmpfs"
-    folder.mkdir()
-    mount = ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)]
-    try:
-        proc = subprocess.run(mount, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        pytest.skip(f"cannot mount a tmpfs to fill: {exc}")
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs to fill (needs root): {proc.stderr.strip()}")
-
-    def fill() -> Path:
-        try:
-            with open(folder / "filler", "ab", buffering=0) as fh:
-                while True:
-                    fh.write(b"\0" * 4096)
-        except OSError as exc:
-            assert exc.errno == errno.ENOSPC, exc
-        return folder
-
-    try:
-        yield fill
-    finally:
-        subprocess.run(["umount", "-l", str(folder)], capture_output=True, timeout=10)
+    with tmpfs(tmp_path / "tmpfs") as folder:
+        yield lambda: fill(folder)
 
 
-def test_a_really_full_disk_at_export_keeps_the_policy(tmp_path, cache, full_disk, capsys):
-    out = full_disk() / "best.yaml"
+def test_a_really_full_disk_at_export_keeps_the_policy(
+    tmp_path, cache, full_disk, monkeypatch, capsys
+):
+    """The disk fills up during the search (a full one is refused before any work)."""
+    import importlib
+
+    search_cli = importlib.import_module("autoprec.cli.search")  # the module, not the command
+    check = search_cli.check_writable
+
+    def check_then_fill(*args: object) -> None:
+        check(*args)
+        full_disk()
+
+    monkeypatch.setattr(search_cli, "check_writable", check_then_fill)
+    out = tmp_path / "tmpfs" / "best.yaml"  # on full_disk's folder, filled once it is checked
     assert main([*search(tmp_path)[:-2], "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err

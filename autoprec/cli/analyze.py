@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from autoprec._text import excerpt
+from autoprec.cache import write_output
 from autoprec.cli._setup import SMALL_IMAGE, train_shape_option
 from autoprec.defaults import DEFAULT_DATASET
 from autoprec.graph.budget import DEFAULT_TIME_BUDGET_S, check_budget
@@ -39,15 +40,15 @@ class AnalyzeOutputError(ValueError):
 
 
 def _check_outputs(paths: dict[str, str | None]) -> None:
-    """Raise :class:`AnalyzeOutputError` if the folder of an output file cannot be written."""
+    """Raise :class:`AnalyzeOutputError` if an output file is a folder or its folder cannot be
+    written."""
     from autoprec.cli._setup import check_writable
 
     for option, path in paths.items():
         if path:
-            try:
-                check_writable([Path(path).resolve().parent], AnalyzeOutputError)
-            except AnalyzeOutputError as err:
-                raise AnalyzeOutputError(f"{option} {path}: {err}") from None
+            if Path(path).is_dir():
+                raise AnalyzeOutputError(f"{option} {path}: is a folder; give a file's path")
+            check_writable([Path(path).absolute().parent], AnalyzeOutputError, f"{option} {path}: ")
 
 
 def _heatmap(table, sens, path: Path) -> None:
@@ -68,10 +69,12 @@ def _heatmap(table, sens, path: Path) -> None:
     ax.set_title(f"{table.model}: gradient damage per layer ({sens.method})")
     fig.colorbar(im, ax=ax, label="log10(1 - gradient cosine to fp32)")
     fig.tight_layout()
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(path)
+    try:
+        write_output(
+            path, lambda fh: fig.savefig(fh, format="png", dpi=110), binary=True, what="heatmap"
+        )
+    finally:
+        plt.close(fig)
 
 
 def _sensitivity_summary(sens, data_name: str) -> str:
@@ -284,7 +287,8 @@ def analyze(
         doc = json.loads(table.to_json())
         doc["sensitivity"] = None if sens is None else sens.to_dict()
         doc["runnable"] = {"device": device.name, "layers": runnable}
-        Path(json_path).write_text(json.dumps(doc, indent=2) + "\n")
+        text = json.dumps(doc, indent=2) + "\n"
+        write_output(json_path, lambda fh: fh.write(text), what="analysis")
         console.print(f"wrote {json_path}")
     if heatmap and sens is not None:
         _heatmap(table, sens, Path(heatmap))

@@ -9,6 +9,7 @@ Example::
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import click
@@ -68,11 +69,15 @@ def compare(
     plot_path: str | None,
 ) -> None:
     """Compare the searches logged to MLflow: one row per search."""
-    from autoprec.cache import write_csv
-    from autoprec.compare import COLUMNS, compare_searches, plot_fronts, sort_rows
+    from autoprec.cache import csv_text, write_output
+    from autoprec.cli._setup import check_writable
+    from autoprec.compare import COLUMNS, CompareError, compare_searches, plot_fronts, sort_rows
     from autoprec.tracking import resolve_tracking_uri
 
     # CompareError (a ValueError) becomes one line and exit status 2 in autoprec.cli.main
+    for option, path in (("--csv", csv_path), ("--plot", plot_path)):
+        if path is not None:  # before reading the store
+            check_writable([Path(path).absolute().parent], CompareError, f"{option} {path}: ")
     rows = sort_rows(compare_searches(tracking_uri, experiment, model_name), sort_by)
     if not rows:
         where = experiment or (f"autoprec/{model_name}" if model_name else "autoprec/*")
@@ -82,7 +87,9 @@ def compare(
         return
     _print_table(rows)
     if csv_path is not None:
-        click.echo(f"{len(rows)} rows -> {write_csv(csv_path, rows, COLUMNS)}")
+        text = csv_text(rows, COLUMNS)
+        written = write_output(csv_path, lambda fh: fh.write(text), what="CSV")
+        click.echo(f"{len(rows)} rows -> {written}")
     if plot_path is not None:
         drawn = plot_fronts(rows, plot_path, tracking_uri)
         left = len(rows) - len(drawn)

@@ -77,7 +77,7 @@ def _check_outputs(*paths: Path) -> None:
             f"--out {paths[0]}: unknown policy file suffix {paths[0].suffix!r}; "
             "use .yaml, .yml or .json"
         )
-    setup.check_writable({p.resolve().parent for p in paths}, MigrateSetupError)
+    setup.check_writable({p.absolute().parent for p in paths}, MigrateSetupError)
 
 
 def _target(name: str | None) -> Any:
@@ -118,11 +118,14 @@ def _summary(result: Any) -> str:
 
 
 def _write(result: Any, out: Path, plan: Path) -> None:
+    """The policy and the plan (:func:`autoprec.cache.write_output`: what cannot be written
+    is kept in the cache's recovered folder, and the error says where)."""
     import yaml
 
-    from autoprec.cache import write_atomic
-    from autoprec.policy_io import save_policy
+    from autoprec.cache import write_output
+    from autoprec.policy_io import format_policy, policy_format
 
-    save_policy(result.policy, out)
+    policy = format_policy(result.policy, policy_format(out))
+    write_output(out, lambda fh: fh.write(policy), what="policy")
     text = yaml.safe_dump(result.to_plan(), sort_keys=False, default_flow_style=False)
-    write_atomic(plan, lambda fh: fh.write(text))
+    write_output(plan, lambda fh: fh.write(text), what="plan")

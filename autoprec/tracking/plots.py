@@ -150,9 +150,15 @@ def curves_figure(result: Any, title: str) -> Any:
 
 
 def save_png(path: Path, figure: Any) -> Path:
-    """Write ``figure`` to ``path`` as PNG, atomically, readable by all; returns the path."""
-    from autoprec.cache import write_atomic
+    """Write ``figure`` to ``path`` as PNG (:func:`autoprec.cache.write_output`), readable by
+    all; returns the path.
 
-    write_atomic(path, lambda fh: figure.savefig(fh, format="png"), binary=True)
+    Raises:
+        autoprec.cache.OutputError: it cannot be written (then it is kept in the cache's
+            recovered folder, and the message says where).
+    """
+    from autoprec.cache import write_output
+
+    write_output(path, lambda fh: figure.savefig(fh, format="png"), binary=True, what="plot")
     path.chmod(0o644)  # an artifact is read by the whole store's users, whatever our umask
     return path

@@ -8,8 +8,8 @@ import re
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
+from disk_fixtures import image_folder
 
 from autoprec.cli import main
 from autoprec.data import DatasetError, list_datasets, load_dataset
@@ -18,17 +18,6 @@ Image = pytest.importorskip("PIL.Image")
 folders = importlib.import_module("autoprec.data.folders")
 
 README = Path(__file__).resolve().parents[2] / "README.md"
-
-
-def _folder(root: Path, classes: tuple[str, ...], per_class: int = 4, suffix: str = "jpg") -> Path:
-    """``root/<class>/<i>.<suffix>``: random 24x24 RGB images."""
-    rng = np.random.default_rng(0)
-    for name in classes:
-        (root / name).mkdir(parents=True)
-        for i in range(per_class):
-            pixels = rng.integers(0, 256, (24, 24, 3), dtype=np.uint8)
-            Image.fromarray(pixels).save(root / name / f"{i}.{suffix}")
-    return root
 
 
 def _truncate(path: Path, keep: float = 0.7) -> None:
@@ -43,7 +32,7 @@ def _one_line(err: pytest.ExceptionInfo) -> str:
 
 
 def test_one_class_is_refused_up_front(tmp_path):
-    root = _folder(tmp_path / "pets", ("cats",))
+    root = image_folder(tmp_path / "pets", ("cats",))
     start = time.perf_counter()
     with pytest.raises(DatasetError) as info:
         load_dataset("imagefolder", input_shape=(3, 8, 8), root=root, num_classes=10)
@@ -54,7 +43,7 @@ def test_one_class_is_refused_up_front(tmp_path):
 
 
 def test_truncated_jpeg_is_named_when_the_folder_is_loaded(tmp_path):
-    root = _folder(tmp_path / "pets", ("cats", "dogs"))
+    root = image_folder(tmp_path / "pets", ("cats", "dogs"))
     bad = root / "dogs" / "2.jpg"
     _truncate(bad)
     with Image.open(bad) as image:  # the damage shows only when decoded: it opens fine
@@ -67,7 +56,7 @@ def test_truncated_jpeg_is_named_when_the_folder_is_loaded(tmp_path):
 
 
 def test_a_file_that_is_no_image_is_named(tmp_path):
-    root = _folder(tmp_path / "pets", ("cats", "dogs"), suffix="png")
+    root = image_folder(tmp_path / "pets", ("cats", "dogs"), suffix="png")
     junk = root / "cats" / "1.png"
     junk.write_bytes(b"not a png at all")
     with pytest.raises(DatasetError) as info:
@@ -76,7 +65,7 @@ def test_a_file_that_is_no_image_is_named(tmp_path):
 
 
 def test_only_the_images_of_the_splits_are_checked(tmp_path):
-    root = _folder(tmp_path / "pets", ("cats", "dogs"), per_class=10)
+    root = image_folder(tmp_path / "pets", ("cats", "dogs"), per_class=10)
     bundle = load_dataset("imagefolder", input_shape=(3, 8, 8), root=root, max_samples=4)
     samples = bundle.train.dataset.samples
     used = {samples[i][0] for i in [*bundle.train.indices, *bundle.val.indices]}
@@ -87,7 +76,7 @@ def test_only_the_images_of_the_splits_are_checked(tmp_path):
 
 def test_a_large_folder_names_a_damaged_image_as_it_is_read(tmp_path, monkeypatch):
     """Above CHECK_IMAGES_MAX nothing is decoded up front; reading the file names it."""
-    root = _folder(tmp_path / "pets", ("cats", "dogs"))
+    root = image_folder(tmp_path / "pets", ("cats", "dogs"))
     bad = root / "cats" / "0.jpg"
     _truncate(bad)
     monkeypatch.setattr(folders, "CHECK_IMAGES_MAX", 0)
@@ -103,7 +92,7 @@ def test_a_large_folder_names_a_damaged_image_as_it_is_read(tmp_path, monkeypatc
 @pytest.mark.parametrize("damage", ["one class", "truncated"])
 def test_cli_stops_before_any_training_with_one_line(tmp_path, capsys, damage):
     classes = ("cats",) if damage == "one class" else ("cats", "dogs")
-    root = _folder(tmp_path / "pets", classes)
+    root = image_folder(tmp_path / "pets", classes)
     if damage == "truncated":
         _truncate(root / "cats" / "3.jpg")
     args = ["analyze", "--model", "tinycnn", "--dataset", "imagefolder", "--data-dir", str(root)]
