@@ -1,20 +1,24 @@
 """Reading the small YAML and JSON files that users write (policies, search configs), safely.
 
 However a file is malformed, reading it costs one line of :class:`DataFileError` and little time:
-the size is bounded before anything is parsed (:data:`MAX_FILE_BYTES`), the text must be UTF-8
-without control characters, YAML anchors and aliases are refused (a 400-byte "billion laughs"
-file expands to gigabytes through them), nesting is bounded (:data:`MAX_DEPTH`) before the
-parsers recurse, and a value that the parser cannot convert (an integer of 5,000 digits, the date
+only a regular file is read (a FIFO is refused, not waited on: :func:`open_regular`), the size
+is bounded before anything is parsed (:data:`MAX_FILE_BYTES`), the text must be UTF-8 without
+control characters, YAML anchors and aliases are refused (a 400-byte "billion laughs" file
+expands to gigabytes through them), nesting is bounded (:data:`MAX_DEPTH`) before the parsers
+recurse, and a value that the parser cannot convert (an integer of 5,000 digits, the date
 2024-13-45) is named with its line. Messages start with the file's name, and the line and column
 where the parser knows them, and quote at most a short excerpt of the input.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import stat
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import yaml
 
@@ -31,14 +35,59 @@ class DataFileError(ValueError):
     """A file that cannot be read as data; the message names it, and the line where known."""
 
 
+class NotAFileError(OSError):
+    """A path that is not a regular file (a folder, a FIFO, a device, a socket); its text says
+    which."""
+
+
+_KINDS = (
+    (stat.S_ISDIR, "a folder"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def file_kind(mode: int) -> str | None:
+    """None for a regular file's ``st_mode``, else what it is (``"a FIFO (named pipe)"``)."""
+    if stat.S_ISREG(mode):
+        return None
+    return next((name for test, name in _KINDS if test(mode)), "a special file")
+
+
+def open_regular(path: str | os.PathLike[str]) -> BinaryIO:
+    """``path`` opened for binary reading, refusing anything but a regular file without ever
+    blocking: it is opened with ``O_NONBLOCK`` (a FIFO without a writer would hang a plain
+    ``open``) and checked with ``fstat`` before a byte is read.
+
+    Raises:
+        NotAFileError: a folder, FIFO, device or socket (the text says which).
+        OSError: it cannot be opened (missing, no permission).
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        kind = file_kind(mode)
+        if kind is not None:
+            text = f"is {kind}" if stat.S_ISDIR(mode) else f"is {kind}, not a regular file"
+            raise NotAFileError(errno.EINVAL, text, str(path))
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def read_text(path: Path, source: str, what: str) -> str:
     """The UTF-8 text of ``path``, at most :data:`MAX_FILE_BYTES`; ``what`` is e.g. "policy file".
 
-    ``source`` starts every message (the path, or e.g. ``"config c.yaml"``).
+    ``source`` starts every message (the path, or e.g. ``"config c.yaml"``). Only a regular
+    file is read (:func:`open_regular`): a FIFO or a device is refused, not waited on.
     """
     try:
-        with open(path, "rb") as stream:
-            raw = stream.read(MAX_FILE_BYTES + 1)  # never more, whatever the file (/dev/zero)
+        with open_regular(path) as stream:
+            raw = stream.read(MAX_FILE_BYTES + 1)  # never more, whatever the file
             if len(raw) > MAX_FILE_BYTES:
                 size = path.stat().st_size
                 has = f"{size:,} bytes" if size > MAX_FILE_BYTES else "larger"
@@ -50,8 +99,8 @@ def read_text(path: Path, source: str, what: str) -> str:
         raise DataFileError(
             f"{source}: no such file; check the path (relative to {Path.cwd()})"
         ) from None
-    except IsADirectoryError:
-        raise DataFileError(f"{source}: is a folder; give the path of the {what}") from None
+    except NotAFileError as exc:
+        raise DataFileError(f"{source}: {exc.strerror}; give the path of the {what}") from None
     except OSError as exc:
         raise DataFileError(f"{source}: cannot read the file: {exc.strerror or exc}") from None
     try:

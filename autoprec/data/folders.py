@@ -12,17 +12,23 @@ models, ``Resize`` when the size differs, ``Normalize``, and a reshape for flat 
   A file that cannot be decoded is an error naming it: every image of the two splits is decoded
   once when the folder is loaded (up to :data:`CHECK_IMAGES_MAX` of them, about a millisecond
   each; a larger folder is checked as it is read), so a damaged file stops the work before any
-  training rather than passing for a diverged run.
+  training rather than passing for a diverged run. Links are followed, but not one that leads
+  back into the folder (``c0/up -> ..`` would count its images again, under another class) or
+  around a loop, and an image that is not a regular file (a FIFO, which would block forever) is
+  refused; each is a one-line error naming it.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.data import Dataset, Subset
 
+from autoprec._datafile import file_kind, open_regular
 from autoprec.data._base import (
     DataBundle,
     DataRequest,
@@ -62,7 +68,7 @@ def read_image(path: str) -> Any:
     from PIL import Image
 
     try:
-        with open(path, "rb") as fh:
+        with open_regular(path) as fh:
             return Image.open(fh).convert("RGB")
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
         raise _unreadable(path, err) from None
@@ -74,10 +80,96 @@ def _check_images(paths: list[str]) -> None:
 
     for path in paths:
         try:
-            with Image.open(path) as image:
+            with open_regular(path) as fh, Image.open(fh) as image:
                 image.load()
         except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
             raise _unreadable(path, err) from None
+
+
+def _samples(
+    root: Path, class_to_idx: dict[str, int], extensions: tuple[str, ...]
+) -> list[tuple[str, int]]:
+    """``(path, class)`` of every image under ``root/<class>/``, in torchvision's order
+    (``make_dataset``'s), refusing a link back into ``root`` or around a loop, and a file that
+    is not a regular one."""
+    from torchvision.datasets.folder import has_file_allowed_extension
+
+    top = os.path.realpath(root)
+    samples = []
+    for name, index in sorted(class_to_idx.items()):
+        folder = os.path.join(root, name)
+        for where, files in sorted(_walk(folder, root, top)):
+            for file in sorted(files):
+                path = os.path.join(where, file)
+                if has_file_allowed_extension(path, extensions):
+                    _check_link(path, root, top, set())
+                    _check_regular(path)
+                    samples.append((path, index))
+    return samples
+
+
+def _walk(folder: str, root: Path, top: str) -> Iterator[tuple[str, list[str]]]:
+    """``(folder, files)`` below the class folder ``folder``, following links that pass
+    :func:`_check_link` (checked before :func:`os.walk` goes into them)."""
+    seen: set[str] = set()
+    _check_link(folder, root, top, seen)
+    for where, folders, files in os.walk(folder, followlinks=True):
+        for sub in folders:
+            _check_link(os.path.join(where, sub), root, top, seen)
+        yield where, files
+
+
+def _check_link(path: str, root: Path, top: str, seen: set[str]) -> None:
+    """Refuse ``path`` if it is a link into the image folder (real path ``top``) or to a place
+    containing it, or to a folder in ``seen`` (reached already: a loop); else note it."""
+    if not os.path.islink(path):
+        return
+    real = os.path.realpath(path)
+    shown = os.path.relpath(path, root)
+    if os.path.commonpath([real, top]) in (real, top):
+        raise DatasetError(
+            f"imagefolder: '{shown}' in '{root}' is a link back into the folder (to '{real}'); "
+            "its images would be counted again, under another class: remove the link"
+        )
+    if real in seen:
+        raise DatasetError(
+            f"imagefolder: '{shown}' in '{root}' is a link to '{real}', which is reached already "
+            "(a loop of links); remove the link"
+        )
+    seen.add(real)
+
+
+def _check_regular(path: str) -> None:
+    """Refuse an image that is not a regular file (a FIFO would block the loader forever)."""
+    try:
+        kind = file_kind(os.stat(path).st_mode)
+    except OSError as err:  # a broken link
+        raise _unreadable(path, err) from None
+    if kind is not None:
+        raise DatasetError(
+            f"imagefolder: '{path}' is {kind}, not an image file; remove it from the folder"
+        )
+
+
+def _image_folder(root: Path, transform: Any) -> Any:
+    """torchvision's ``ImageFolder`` of ``root``, its images listed by :func:`_samples`."""
+    from torchvision.datasets import ImageFolder
+
+    class _Folder(ImageFolder):
+        @staticmethod
+        def make_dataset(  # type: ignore[override]
+            directory: Any,
+            class_to_idx: dict[str, int],
+            extensions: tuple[str, ...] | None = None,
+            is_valid_file: Any = None,
+            allow_empty: bool = False,
+        ) -> list[tuple[str, int]]:
+            samples = _samples(Path(directory), class_to_idx, extensions or ())
+            if {c for _, c in samples} != set(class_to_idx.values()):  # as torchvision's
+                raise FileNotFoundError("a class folder without images")
+            return samples
+
+    return _Folder(str(root), transform=transform, loader=read_image)
 
 
 def _check_classes(root: Path, classes: list[str], hint: str) -> None:
@@ -168,8 +260,6 @@ def load_cifar_bundle(req: DataRequest) -> DataBundle:
 
 def load_imagefolder_bundle(req: DataRequest) -> DataBundle:
     """``root/<class>/<image>`` images with a seeded train/val split."""
-    from torchvision.datasets import ImageFolder
-
     check_image_task(req)
     hint = "pass --data-dir pointing at a folder with one subfolder of images per class"
     if req.root is None:
@@ -182,7 +272,7 @@ def load_imagefolder_bundle(req: DataRequest) -> DataBundle:
     # size=(0, 0) forces a Resize: folder images may differ in size
     transform = _transform(req, (0, 0), mean, std)
     try:
-        dataset = ImageFolder(str(root), transform=transform, loader=read_image)
+        dataset = _image_folder(root, transform)
     except FileNotFoundError as err:  # no class folders, or no images in them
         raise DatasetError(
             f"imagefolder: no class subfolders with images in '{root}'; {hint}"
