@@ -82,18 +82,40 @@ def study_name_for(storage: Any, name: str, resume: bool = False) -> str:
     return candidate
 
 
-def check_storage(url: str) -> None:
-    """Refuse a SQLite Optuna storage file that is not a sound database. It holds the user's
-    study, not a cache, so it is never replaced: the error says how to start over."""
+MLFLOW_TABLES = ("experiments", "runs")  # an MLflow tracking database holds these
+
+
+def check_storage(url: str, tracking_uri: str | None = None) -> None:
+    """Refuse a SQLite Optuna storage file that is not a sound database, or that is MLflow's.
+
+    It holds the user's study, not a cache, so it is never replaced: the error says how to
+    start over. MLflow's database (``tracking_uri``'s file, or one holding MLflow's tables) is
+    refused too: Optuna would add its tables to it, and the two schemas' migrations clash.
+
+    Args:
+        url: the Optuna storage URL.
+        tracking_uri: the MLflow tracking URI the search logs to (None: it logs nowhere).
+
+    Raises:
+        StorageError: one line naming the file and what to do.
+    """
     import sqlite3
 
     path = sqlite_file(url)
-    if path is None or not path.is_file() or path.stat().st_size == 0:
+    if path is None:
+        return
+    mlflow_file = sqlite_file(tracking_uri)
+    if mlflow_file is not None and _same_file(path, mlflow_file):
+        raise _mlflow_database(path)
+    if not path.is_file() or path.stat().st_size == 0:
         return  # a new study
+    mlflow = False
     try:
         db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=30.0)
         try:
             rows = db.execute("PRAGMA quick_check").fetchall()
+            tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master")}
+            mlflow = set(MLFLOW_TABLES) <= tables
         finally:
             db.close()
         problem = None if rows == [("ok",)] else excerpt(rows[0][0] if rows else "no answer")
@@ -104,6 +126,24 @@ def check_storage(url: str) -> None:
             f"the Optuna storage {path} is damaged ({problem}): delete or move it to start the "
             "search over, or choose another file with --storage sqlite:///<new>.db"
         )
+    if mlflow:
+        raise _mlflow_database(path)
+
+
+def _same_file(a: Any, b: Any) -> bool:
+    """Whether the paths ``a`` and ``b`` name one file (existing or not)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one is missing: compare where they would be
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _mlflow_database(path: Any) -> StorageError:
+    return StorageError(
+        f"the Optuna storage {path} is MLflow's tracking database: Optuna would add its tables "
+        "to it, and the two clash; give Optuna a file of its own with --storage "
+        "sqlite:///<new>.db"
+    )
 
 
 @contextmanager
