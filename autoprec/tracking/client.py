@@ -11,6 +11,11 @@ goes through this module:
 * :class:`GuardedClient` runs the trackers' calls so that a failure turns tracking off with one
   line on stderr (``autoprec: tracking off: <reason>``) instead of ending the work.
 
+Every run autoprec creates is tagged with the process that owns it (:data:`PID_TAG`,
+:data:`HOST_TAG`). A run that process could not end (SIGKILL, a power cut) would stay
+``RUNNING`` forever; whenever a process opens the experiment again, the runs left ``RUNNING`` by
+a process of this host that is gone are ended as ``KILLED`` (:func:`end_stale_runs`).
+
 MLflow is imported only when a store is opened.
 """
 
@@ -19,10 +24,12 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import socket
 import sys
 import time
 from collections.abc import Iterator, Mapping
 from contextvars import ContextVar
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
@@ -30,6 +37,8 @@ from autoprec._sqlite import sqlite_lock
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 STATUSES = ("FINISHED", "KILLED", "FAILED")
+PID_TAG = "autoprec.pid"  # the process that created a run, and its host
+HOST_TAG = "autoprec.host"
 EXPERIMENT_TAGS = {
     # MLflow 3's UI opens an experiment of this kind on its "Model training" runs table
     "mlflow.experimentKind": "custom_model_development",
@@ -137,6 +146,40 @@ def experiment_id(client: Any, name: str) -> str:
     return found.experiment_id
 
 
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host runs (a zombie is gone; on Windows, where
+    ``os.kill`` would end it, every process counts as running)."""
+    if os.name == "nt":
+        return True
+    try:
+        os.kill(pid, 0)
+    except PermissionError:  # another user's
+        return True
+    except (ProcessLookupError, OverflowError, ValueError):
+        return False
+    with contextlib.suppress(OSError, IndexError):
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    return True
+
+
+def end_stale_runs(client: Any, experiment: str) -> int:
+    """End as ``KILLED`` the runs of experiment id ``experiment`` left ``RUNNING`` by a process
+    of this host that is gone (their :data:`PID_TAG`); returns how many.
+
+    Runs of other hosts, of live processes, and runs autoprec did not create are left alone.
+    """
+    host = socket.gethostname()
+    query = f"attributes.status = 'RUNNING' and tags.`{HOST_TAG}` = '{host}'"
+    ended = 0
+    for run in client.search_runs([experiment], filter_string=query, max_results=1000):
+        pid = run.data.tags.get(PID_TAG, "")
+        if not pid.isdigit() or process_alive(int(pid)):
+            continue
+        client.set_terminated(run.info.run_id, "KILLED")
+        ended += 1
+    return ended
+
+
 class GuardedClient:
     """An :class:`mlflow.MlflowClient` whose failures turn tracking off instead of propagating.
 
@@ -161,7 +204,9 @@ class GuardedClient:
         self.open_runs: list[str] = []
 
     def connect(self, experiment: str) -> str:
-        """Open the store and return the id of ``experiment`` (created if missing).
+        """Open the store and return the id of ``experiment`` (created if missing), whose
+        runs left ``RUNNING`` by dead processes of this host are ended first
+        (:func:`end_stale_runs`, one line on stderr when there were any).
 
         Processes that open one new SQLite database together (workers started at once) take
         turns: MLflow's table creation is not safe to run twice at the same time.
@@ -172,11 +217,22 @@ class GuardedClient:
             client = MlflowClient(tracking_uri=self.tracking_uri)
             client.get_experiment_by_name(experiment)
         self.mlflow = client
-        return experiment_id(client, experiment)
+        found = experiment_id(client, experiment)
+        stale = end_stale_runs(client, found)
+        if stale:
+            print(
+                f"autoprec: note: ended {stale} run(s) of experiment {experiment!r} left "
+                "RUNNING by a process that is gone as KILLED",
+                file=sys.stderr,
+                flush=True,
+            )
+        return found
 
     def create_run(self, experiment: str, run_name: str, tags: Mapping[str, str]) -> str:
-        """Create a run in experiment id ``experiment``; returns its id (now open)."""
-        run = self.mlflow.create_run(experiment, run_name=run_name, tags=dict(tags))
+        """Create a run in experiment id ``experiment``, tagged with this process
+        (:data:`PID_TAG`, :data:`HOST_TAG`); returns its id (now open)."""
+        owner = {PID_TAG: str(os.getpid()), HOST_TAG: socket.gethostname()}
+        run = self.mlflow.create_run(experiment, run_name=run_name, tags={**tags, **owner})
         self.open_runs.append(run.info.run_id)
         return run.info.run_id
 

@@ -128,3 +128,40 @@ def test_without_the_kernels_signal_the_watchdog_ends_a_worker_whose_parent_died
         middle.kill()
         middle.wait(timeout=30)
     assert wait_gone({child}) == set(), "the watched process outlived its parent"
+
+
+# --- MLflow runs of killed searches ----------------------------------------------------------
+def _status(uri: str, run_id: str) -> str:
+    from mlflow import MlflowClient
+
+    return MlflowClient(uri).get_run(run_id).info.status
+
+
+def _dead_pid() -> int:
+    """The pid of a process that has ended (and been reaped)."""
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_run_left_running_by_a_killed_process_is_ended_killed_by_the_next_one(tmp_path, capsys):
+    from autoprec.tracking import SearchTracker
+    from autoprec.tracking.client import PID_TAG
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    killed = SearchTracker("stale", agent="random", target="h100-sxm", tracking_uri=uri)
+    assert killed.start()  # then its process "dies" without ending it, as under SIGKILL:
+    killed.client.mlflow.set_tag(killed.run_id, PID_TAG, str(_dead_pid()))
+    capsys.readouterr()
+    live = SearchTracker("stale", agent="random", target="h100-sxm", tracking_uri=uri)
+    try:
+        assert live.start()
+        assert _status(uri, killed.run_id) == "KILLED"
+        assert "ended 1 run(s) of experiment 'autoprec/stale'" in capsys.readouterr().err
+        again = SearchTracker("stale", agent="tpe", target="h100-sxm", tracking_uri=uri)
+        assert again.start()  # a run of a live process (this one) is left alone
+        assert _status(uri, live.run_id) == "RUNNING"
+        again.close("FINISHED")
+    finally:
+        live.close("FINISHED")
+    assert _status(uri, live.run_id) == "FINISHED"
