@@ -54,6 +54,9 @@ def test_random_search_exports_a_valid_best_policy_and_pareto_files(tmp_path, ca
     err = capsys.readouterr().err
     assert "optimising for h100-sxm" in err and "best policy" in err and "phases:" in err
     assert "sensitivity: sweep of all 4 layers" in err  # the method chosen, and why
+    # off a terminal, plain progress lines (no rich bar drawn once, cut off, at the end)
+    assert "search: 1/3 evaluations (" in err and "search: 3/3 evaluations" in err
+    assert "ETA" not in err
 
 
 def test_config_file_with_flags_overriding(tmp_path, capsys):

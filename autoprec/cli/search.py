@@ -40,8 +40,8 @@ from autoprec.cli.search_evaluations import (
     workers_option,
 )
 from autoprec.cli.search_export import Exporter, SearchExportError
-from autoprec.cli.search_progress import Progress, console
-from autoprec.cli.sensitivity_progress import build_surrogate
+from autoprec.cli.search_progress import Progress, console, working
+from autoprec.cli.sensitivity_progress import build_surrogate, sensitivity_progress
 from autoprec.cli.verify import SEARCH_VERIFY_SEEDS, SEARCH_VERIFY_STEPS
 from autoprec.evaluate.reward import DEFAULT_TOLERANCE, DEFAULT_WEIGHTS
 from autoprec.verify import WARM_START_LR
@@ -170,6 +170,7 @@ class _SearchRun:
         self.evaluator: Any = None
         self.exporter: Exporter | None = None
         self.rules: list[tuple[str, Any, float]] = []  # the hand rules' metrics and rewards
+        self.at_once = 1  # real evaluations side by side (the worker processes)
 
     # -- phases --
     def main(self) -> int:
@@ -212,8 +213,7 @@ class _SearchRun:
     @contextlib.contextmanager
     def _phase(self, name: str, draws_progress: bool = False) -> Iterator[None]:
         begin = time.perf_counter()
-        spinner = self.console.status(f"[bold]{name}[/] ...")
-        with contextlib.nullcontext() if draws_progress else spinner:
+        with contextlib.nullcontext() if draws_progress else working(self.console, name):
             yield
         self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - begin
         self.console.print(f"{name}: {self.phases[name]:.1f} s")
@@ -270,10 +270,13 @@ class _SearchRun:
             f"costs for {device.name} at batch {o['train_batch_size']}, input "
             f"{tuple(cost_spec.input_shape)}"
         )
-        with self._phase("warm start and fp32 reference"):
-            evaluator.reference()
+        with self._phase("warm start and fp32 reference", draws_progress=True):
+            with sensitivity_progress(self.console, "warm start") as (progress, _):
+                evaluator.warm_start_state(progress)  # its steps and time left, if it trains
+            with working(self.console, "fp32 reference"):
+                evaluator.reference()
         self.evaluator = evaluator  # its workers are stopped when the command ends
-        start_workers(evaluator, o["workers"], self.console.print)
+        self.at_once = start_workers(evaluator, o["workers"], self.console.print)
         problem = Problem(evaluator, fidelity=o["fidelity"], reward=reward, precisions=precisions)
         prefetch_comparisons(problem)  # the workers run them while the sensitivities are measured
         with self._phase("sensitivity", draws_progress=True):
@@ -315,7 +318,8 @@ class _SearchRun:
             self._start_tracking()
             callbacks.append(self.tracker)
         begin = time.perf_counter()
-        with Progress(self.console, self.o["budget"], self._seen) as progress:
+        one = self.problem.evaluator.reference().wall_time_s  # cached: an evaluation's time
+        with Progress(self.console, self.o["budget"], self._seen, one, self.at_once) as progress:
             result = search(
                 problem,
                 budget=self.o["budget"],

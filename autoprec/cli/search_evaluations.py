@@ -40,17 +40,20 @@ def chosen_workers(asked: int | None, reference_wall_s: float) -> int:
     return AUTO_WORKERS
 
 
-def start_workers(evaluator: Any, asked: int | None, echo: Callable[[str], None]) -> None:
-    """Start the evaluator's worker processes as ``--workers`` says, saying so in one line."""
+def start_workers(evaluator: Any, asked: int | None, echo: Callable[[str], None]) -> int:
+    """Start the evaluator's worker processes as ``--workers`` says, saying so in one line;
+    returns how many evaluations now run at a time (1 without workers)."""
     workers = chosen_workers(asked, evaluator.reference().wall_time_s)
     if workers < 2:
-        return
+        return 1
     why_not = evaluator.start_workers(workers)
     if why_not is None:
         threads = evaluator.worker_threads
         echo(f"evaluating {workers} policies at a time, {threads} thread(s) each")
-    elif asked is not None:
+        return workers
+    if asked is not None:
         echo(f"--workers {asked}: {why_not}")
+    return 1
 
 
 def prefetch_comparisons(problem: Any) -> None:

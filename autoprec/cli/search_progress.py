@@ -1,10 +1,26 @@
-"""The progress line of ``autoprec search``: evaluations of the budget, ETA, best so far."""
+"""What ``autoprec search`` shows while it works: each phase, and the search's evaluations.
+
+On a terminal (stderr) rich draws a spinner per phase and a live bar for the search
+(evaluations of the budget, elapsed, time left, best so far). Elsewhere (output to a file, CI)
+rich would draw nothing until the end, so plain lines are printed instead: a search line as
+each real evaluation finishes, and while one runs a line at most every :data:`HEARTBEAT_S`
+seconds saying which evaluation of how many is running, for how long, and about how long the
+rest will take (the pace of the evaluations so far; before the first, the fp32 reference
+run's time). A phase that runs long says it is still working at the same rate. The library
+only reports (search callbacks, ``progress`` callables); the lines are made here.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
+
+#: Without a terminal, a line at least this often (seconds) while a phase or evaluation runs.
+HEARTBEAT_S = 30.0
 
 
 def console() -> Any:
@@ -14,59 +30,180 @@ def console() -> Any:
     return Console(stderr=True)
 
 
+def duration(seconds: float) -> str:
+    """``42 s``, ``3 min 5 s``, ``2 h 10 min``."""
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60} s"
+    return f"{s // 3600} h {s % 3600 // 60} min"
+
+
+@contextlib.contextmanager
+def heartbeat(console: Any, line: Callable[[], str], every: float | None = None) -> Iterator[None]:
+    """While the block runs, print ``line()`` on ``console`` every ``every`` seconds (default
+    :data:`HEARTBEAT_S`) from a background thread; nothing for a block shorter than that."""
+    stop = threading.Event()
+    period = HEARTBEAT_S if every is None else every
+
+    def beat() -> None:
+        while not stop.wait(period):
+            console.print(line(), highlight=False, soft_wrap=True, markup=False)
+
+    thread = threading.Thread(target=beat, name="autoprec-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+
+
+@contextlib.contextmanager
+def working(console: Any, what: str) -> Iterator[None]:
+    """A phase that draws no progress of its own: rich's spinner on a terminal, else a line
+    ``<what>: still working (N s)`` every :data:`HEARTBEAT_S` seconds."""
+    if console.is_terminal:
+        with console.status(f"[bold]{what}[/] ..."):
+            yield
+        return
+    begin = time.perf_counter()
+    with heartbeat(
+        console, lambda: f"{what}: still working ({duration(time.perf_counter() - begin)})"
+    ):
+        yield
+
+
 class Progress:
-    """A rich progress line for one search, updated by every trial (a search callback).
+    """The progress of one search's evaluations, updated by every trial (a search callback).
 
     Args:
-        console: where it is drawn.
-        budget: the real evaluations of the search (the bar's total).
+        console: where it is drawn (a live bar on a terminal, else plain lines).
+        budget: the real evaluations of the search.
         on_result: called with the newest result at every trial (what an interrupted search
             exports).
+        evaluation_s: the expected seconds of one evaluation before any finished (the fp32
+            reference run's), for the time left; None: unknown until the first.
+        at_once: evaluations run side by side (the worker processes), 1 without.
     """
 
-    def __init__(self, console: Any, budget: int, on_result: Callable[[Any], None]) -> None:
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            TextColumn,
-            TimeElapsedColumn,
-            TimeRemainingColumn,
-        )
-        from rich.progress import Progress as Bar
-
+    def __init__(
+        self,
+        console: Any,
+        budget: int,
+        on_result: Callable[[Any], None],
+        evaluation_s: float | None = None,
+        at_once: int = 1,
+    ) -> None:
+        self.console = console
+        self.budget = budget
         self.on_result = on_result
-        self.progress = Bar(
-            TextColumn("[bold]search[/]"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            TextColumn("ETA"),
-            TimeRemainingColumn(),
-            TextColumn("{task.fields[best]}"),
-            console=console,
-            transient=False,
-        )
-        self.task = self.progress.add_task("search", total=budget, best="")
+        self.evaluation_s = evaluation_s
+        self.at_once = max(1, at_once)
         self.surrogate = 0
+        self.done = 0
+        self.start = self.last = time.perf_counter()  # the search's start, the last evaluation's
+        self._live: Any = None
+        self._beat: Any = None
+        if console.is_terminal:
+            self._live = _bar(console, budget)
+            self.task = self._live.add_task("search", total=budget, best="")
 
     def __enter__(self) -> Progress:
-        self.progress.__enter__()
+        self.start = self.last = time.perf_counter()
+        if self._live is not None:
+            self._live.__enter__()
+        else:
+            self._beat = heartbeat(self.console, self.running_line)
+            self._beat.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.progress.__exit__(*exc)
+        if self._live is not None:
+            self._live.__exit__(*exc)
+        elif self._beat is not None:
+            self._beat.__exit__(*exc)
+
+    def time_left(self, now: float) -> float | None:
+        """Seconds left for the evaluations not finished at the pace of those so far (before
+        the first, the expected seconds of one), less what the running one has taken, but at
+        least the pace of those after it; None when nothing tells."""
+        left = self.budget - self.done
+        if self.done:
+            pace = (self.last - self.start) / self.done
+        elif self.evaluation_s is not None:
+            pace = self.evaluation_s / self.at_once
+        else:
+            return None
+        return max(pace * (left - 1), pace * left - (now - self.last), 0.0)
+
+    def running_line(self) -> str:
+        """``search: evaluation 4 of 12 running for 45 s (search 3 min 5 s, about 6 min 0 s
+        left)``."""
+        now = time.perf_counter()
+        left = self.time_left(now)
+        rest = "" if left is None else f", about {duration(left)} left"
+        return (
+            f"search: evaluation {min(self.done + 1, self.budget)} of {self.budget} running for "
+            f"{duration(now - self.last)} (search {duration(now - self.start)}{rest})"
+        )
 
     def on_trial(self, trial: Any, result: Any) -> None:
         self.on_result(result)
         if not trial.real:
             self.surrogate += 1
-        best = result.best
-        text = f"surrogate episodes {self.surrogate}"
-        if best is not None:
-            m = best.metrics
-            delta = m.loss_delta if math.isfinite(m.loss_delta) else float("nan")
-            text = (
-                f"best reward {best.reward:.3f} (speedup {m.speedup:.2f}x, loss delta "
-                f"{delta:+.4f}) · {text}"
+        done = len(result.real_trials)
+        if done != self.done:
+            self.done, self.last = done, time.perf_counter()
+        best = _best(result, self.surrogate)
+        if self._live is not None:
+            self._live.update(self.task, completed=done, best=best)
+        elif trial.real:
+            now = time.perf_counter()
+            left = self.time_left(now)
+            rest = "" if left is None or done >= self.budget else f", about {duration(left)} left"
+            self.console.print(
+                f"search: {done}/{self.budget} evaluations ({duration(now - self.start)}{rest})"
+                f" · {best}",
+                highlight=False,
+                soft_wrap=True,
+                markup=False,
             )
-        self.progress.update(self.task, completed=len(result.real_trials), best=text)
+
+
+def _bar(console: Any, budget: int) -> Any:
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+    from rich.progress import Progress as Bar
+
+    return Bar(
+        TextColumn("[bold]search[/]"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[best]}", markup=False),
+        console=console,
+        transient=False,
+    )
+
+
+def _best(result: Any, surrogate: int) -> str:
+    """``best reward 0.912 (speedup 1.52x, loss delta +0.0012) · surrogate episodes 3``."""
+    text = f"surrogate episodes {surrogate}"
+    best = result.best
+    if best is None:
+        return text
+    m = best.metrics
+    delta = m.loss_delta if math.isfinite(m.loss_delta) else float("nan")
+    return (
+        f"best reward {best.reward:.3f} (speedup {m.speedup:.2f}x, loss delta {delta:+.4f})"
+        f" · {text}"
+    )

@@ -165,3 +165,79 @@ def test_a_run_left_running_by_a_killed_process_is_ended_killed_by_the_next_one(
     finally:
         live.close("FINISHED")
     assert _status(uri, live.run_id) == "FINISHED"
+
+
+# --- progress that tells the truth ---------------------------------------------------------
+def _plain_console():
+    import io
+
+    from rich.console import Console
+
+    return Console(file=io.StringIO(), force_terminal=False, width=80)
+
+
+def _until(seen, needle: str, within: float = 20.0) -> bool:
+    """Poll ``seen()`` (bounded) until it holds ``needle``."""
+    deadline = time.monotonic() + within
+    while needle not in seen() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return needle in seen()
+
+
+def test_off_a_terminal_a_long_phase_says_it_is_working(monkeypatch):
+    import autoprec.cli.search_progress as progress
+
+    monkeypatch.setattr(progress, "HEARTBEAT_S", 0.01)
+    console = _plain_console()
+    with progress.working(console, "fp32 reference"):
+        assert _until(console.file.getvalue, "fp32 reference: still working (")
+
+
+def test_off_a_terminal_the_search_prints_each_evaluation_and_the_time_left(monkeypatch):
+    from types import SimpleNamespace
+
+    import autoprec.cli.search_progress as progress
+
+    monkeypatch.setattr(progress, "HEARTBEAT_S", 0.01)
+    console = _plain_console()
+    seen = []
+    with progress.Progress(console, 3, seen.append, evaluation_s=60.0) as bar:
+        # before any evaluation finished: the time left from one evaluation's expected time
+        assert _until(console.file.getvalue, "search: evaluation 1 of 3 running for")
+        assert bar.time_left(bar.last) == 180.0 and "about" in bar.running_line()
+        assert bar.time_left(bar.last + 100) == 120.0  # at least the two after it
+        trial = SimpleNamespace(real=True)
+        bar.on_trial(trial, SimpleNamespace(real_trials=[trial], best=None))
+        assert _until(console.file.getvalue, "evaluation 2 of 3 running for")
+    text = console.file.getvalue()
+    assert "search: 1/3 evaluations (" in text and "left) · surrogate episodes 0" in text
+    assert len(seen) == 1 and "ETA" not in text  # plain lines, no rich bar
+    assert progress.duration(59.6) == "1 min 0 s" and progress.duration(7322) == "2 h 2 min"
+
+
+def test_fp32_training_reports_every_step_of_every_attempt():
+    import torch
+
+    from autoprec.pretrain import train_fp32
+
+    model = torch.nn.Linear(4, 2)
+    data = [(torch.randn(8, 4), torch.randint(0, 2, (8,)))]
+    told = []
+    loss = torch.nn.functional.cross_entropy
+    train_fp32(model, loss, lambda: data, 5, 0.01, seed=0, progress=lambda *a: told.append(a))
+    assert told == [("lr 0.01", done, 5) for done in range(6)]
+
+
+def test_the_warm_start_tells_its_steps(tmp_path):
+    from autoprec.data import load_dataset_for
+    from autoprec.evaluate import Evaluator
+    from autoprec.models import load_model
+
+    spec = load_model("tinycnn", num_classes=10)
+    ev = Evaluator(spec, load_dataset_for(spec, "teacher"), "h100-sxm", cache_dir=tmp_path,
+                   warm_start_steps=3)  # fmt: skip
+    told = []
+    ev.warm_start_state(lambda *a: told.append(a))
+    assert told == [("lr 0.05", done, 3) for done in range(4)]
+    ev.warm_start_state(lambda *a: told.append(a))  # loaded: nothing to tell
+    assert len(told) == 4
