@@ -201,7 +201,7 @@ class _SearchRun:
                     if self.tracker is not None:
                         self.tracker.close("KILLED")
                 return 130
-        amp, self.rules = comparisons(problem, self.phases, self._phase)
+        amp, self.rules = comparisons(problem, self._phase)
         written = self._export(result, amp, interrupted=False)
         self._finish_tracking(result, written, amp, status="FINISHED")
         if self.o["verify"] and written is not None:

@@ -10,7 +10,6 @@ proposals to the workers as it makes them.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -67,19 +66,18 @@ def prefetch_comparisons(problem: Any) -> None:
 
 
 def comparisons(
-    problem: Any, phases: dict[str, float], phase: Callable[[str], Any]
+    problem: Any, phase: Callable[[str], Any]
 ) -> tuple[Any, list[tuple[str, Any, float]]]:
     """The real metrics of the target's blanket AMP policy, and ``(name, metrics, reward)`` of
     each hand-written fp8 rule that applies (:mod:`autoprec.agents.hand_rules`), for the
-    comparison printed beside the searched policy; each is cached if the agent tried it. Their
-    seconds go into ``phases`` (``"AMP comparison"``; the rules under ``phase("hand rules")``,
-    which prints its line)."""
+    comparison printed beside the searched policy; each is cached if the agent tried it. They
+    run as ``phase("AMP comparison")`` and ``phase("hand rules")`` (which time them and say
+    they are working while they run)."""
     from autoprec.agents.hand_rules import hand_rule_policies
     from autoprec.hardware.defaults import amp_policy
 
-    begin = time.perf_counter()
-    amp = problem.evaluate(amp_policy(problem.evaluator.device))
-    phases["AMP comparison"] = time.perf_counter() - begin
+    with phase("AMP comparison"):
+        amp = problem.evaluate(amp_policy(problem.evaluator.device))
     out = []
     rules = hand_rule_policies(problem)
     if rules:
