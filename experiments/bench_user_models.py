@@ -262,6 +262,12 @@ def render(rows: list[dict], args: Args, load: str) -> str:
             "",
             *notes,
             "",
+            "A search's speedups are the cost model's predictions for its target: it prices the "
+            "tunable layers' matrix work, the casts and the other ops' traffic. Matrix work left "
+            "out of the tunable layers (attention scores, Mixtral's experts and router) stays "
+            "fp32 under any policy and is not in the predicted step time, so for a model with "
+            "much left out (Mixtral) the speedup over fp32 overstates what training would gain.",
+            "",
         ]
     )
 
