@@ -107,7 +107,7 @@ class Progress:
         self._live: Any = None
         self._beat: Any = None
         if console.is_terminal:
-            self._live = _bar(console, budget)
+            self._live = _bar(console, self)
             self.task = self._live.add_task("search", total=budget, best="")
 
     def __enter__(self) -> Progress:
@@ -172,23 +172,30 @@ class Progress:
             )
 
 
-def _bar(console: Any, budget: int) -> Any:
+def _bar(console: Any, owner: Progress) -> Any:
+    """Rich's live bar of ``owner``: evaluations, elapsed, ``owner``'s time left, best."""
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
+        ProgressColumn,
         TextColumn,
         TimeElapsedColumn,
-        TimeRemainingColumn,
     )
     from rich.progress import Progress as Bar
+    from rich.text import Text
+
+    class TimeLeft(ProgressColumn):
+        def render(self, task: Any) -> Text:
+            left = owner.time_left(time.perf_counter())
+            done = task.completed >= owner.budget
+            return Text("" if left is None or done else f"about {duration(left)} left")
 
     return Bar(
         TextColumn("[bold]search[/]"),
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
-        TextColumn("ETA"),
-        TimeRemainingColumn(),
+        TimeLeft(),
         TextColumn("{task.fields[best]}", markup=False),
         console=console,
         transient=False,

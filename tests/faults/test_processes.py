@@ -8,6 +8,7 @@ bounded wait (its evaluation workers and multiprocessing's resource tracker).
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -241,3 +242,17 @@ def test_the_warm_start_tells_its_steps(tmp_path):
     assert told == [("lr 0.05", done, 3) for done in range(4)]
     ev.warm_start_state(lambda *a: told.append(a))  # loaded: nothing to tell
     assert len(told) == 4
+
+
+def test_on_a_terminal_the_bar_shows_the_time_left_before_the_first_evaluation():
+    import io
+
+    from rich.console import Console
+
+    from autoprec.cli.search_progress import Progress
+
+    console = Console(file=io.StringIO(), force_terminal=True, width=140)
+    with Progress(console, 3, lambda result: None, evaluation_s=600.0, at_once=2):
+        pass  # drawn once at least, on leaving
+    drawn = console.file.getvalue()  # 3 evaluations of 600 s, 2 at a time: 900 s
+    assert "0/3" in drawn and re.search(r"about (15 min 0|14 min 5\d) s left", drawn), drawn
