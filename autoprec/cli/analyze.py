@@ -234,9 +234,9 @@ def analyze(
                 progress=progress,
                 on_plan=on_plan,
             )
-    console = Console()
+    console = Console(markup=False)  # data, not markup: 'pip install "autoprec[fp8]"' stays
     if not console.is_terminal:
-        console = Console(width=160)
+        console = Console(width=160, markup=False)
     out = Table(
         title=f"{spec.name}: {len(table)} tunable layers, batch {table.batch_size}, "
         f"input {tuple(table.input_shape)}; FLOPs in GFLOP (2 per multiply-add)",

@@ -112,9 +112,9 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
         table.add_column(header, justify="right" if numeric else "left", no_wrap=True)
     for row in rows:
         table.add_row(*(_cell(row.get(key), fmt) for key, _, fmt in columns))
-    console = Console()
+    console = Console(markup=False)  # names are data: an experiment "a[b]" stays whole
     if not console.is_terminal:  # a pipe or a file: no squeezed columns
-        console = Console(width=max(console.width, 200))
+        console = Console(width=max(console.width, 200), markup=False)
     console.print(table)
 
 

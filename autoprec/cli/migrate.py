@@ -49,12 +49,10 @@ def migrate(**o: Any) -> None:
     """Migrate MODEL's training to a low precision on TARGET, as far as the tolerance allows."""
     from autoprec.agents.migrate import check_precision
     from autoprec.agents.migrate import migrate as run_migration
+    from autoprec.cli.search_config import check_options
 
     _check_outputs(Path(o["out"]), Path(o["plan"]))
-    if o["accuracy_tolerance"] < 0:
-        raise MigrateSetupError(f"--accuracy-tolerance must be >= 0, got {o['accuracy_tolerance']}")
-    if o["steps"] is not None and o["steps"] < 1:
-        raise MigrateSetupError(f"--steps must be at least 1, got {o['steps']}")
+    check_options(o)  # every number in its range (search's rule), before any work
     target = _target(o["target"])
     low = check_precision(target, o["precision"])
     evaluator = setup.build_evaluator(o, target)

@@ -221,10 +221,12 @@ class _SearchRun:
     def _check_output(self) -> None:
         """Fail before any work if an output cannot be written: ``--out`` (its folder and its
         suffix), ``--pareto-dir``, the cache folder, and a damaged SQLite Optuna storage."""
+        from autoprec.agents.naming import state_folder
         from autoprec.agents.optuna_study import check_storage
         from autoprec.cache import cache_dir
         from autoprec.policy import PolicyError
         from autoprec.policy_io import policy_format
+        from autoprec.tracking import resolve_tracking_uri
 
         try:
             policy_format(self.o["out"])
@@ -235,8 +237,11 @@ class _SearchRun:
             targets.append(Path(self.o["pareto_dir"]).resolve())
         check_writable(targets, SearchSetupError)
         cache_dir()  # a file in its place is an error now, not after the warm start
+        if self.o["study_name"]:  # a name that would leave its folder is refused now too
+            state_folder(self.o["study_name"])
         if self.o["agent"] in ("tpe", "nsga2"):
-            check_storage(self.o["storage"] or DEFAULT_STORAGE)
+            tracking = None if self.o["no_mlflow"] else resolve_tracking_uri(self.o["tracking_uri"])
+            check_storage(self.o["storage"] or DEFAULT_STORAGE, tracking)
 
     def _setup(self) -> tuple[Any, dict[str, Any]]:
         from autoprec.agents import Problem
@@ -244,8 +249,6 @@ class _SearchRun:
         from autoprec.precision import parse_precision
 
         o = self.o
-        if o["budget"] < 1:
-            raise SearchSetupError(f"--budget must be at least 1, got {o['budget']}")
         weights = {"speedup": o["w_speedup"], "memory": o["w_memory"], "accuracy": o["w_accuracy"]}
         reward = RewardConfig(weights, o["accuracy_tolerance"])
         device, fell_back = resolve_target(o["target"])
@@ -284,9 +287,7 @@ class _SearchRun:
         self.device = device
         self.problem = problem
         out, pareto = Path(o["out"]), o["pareto_dir"]
-        self.exporter = Exporter(
-            self.console, spec.module, device, out, Path(pareto) if pareto else None
-        )
+        self.exporter = Exporter(self.console, spec, device, out, Path(pareto) if pareto else None)
         return problem, self._agent_kwargs()
 
     def _search_name(self) -> str:
@@ -394,7 +395,7 @@ class _SearchRun:
         o = self.o
         config = search_verify_config(self.problem.evaluator, o)
         tracking = {"enabled": not o["no_mlflow"], "uri": o["tracking_uri"]}
-        with self._phase("verification"):
+        with self._phase("verification", draws_progress=True):  # each run's progress line
             run_verification(
                 policy_path,
                 o["model_name"],
@@ -426,10 +427,10 @@ class _SearchRun:
                 **dict(policy.provenance),
                 "agent": o["agent"],
                 "dataset": o["dataset"],
-                "seed": str(o["seed"]),
-                "budget": str(o["budget"]),
+                "seed": o["seed"],
+                "budget": o["budget"],
                 "interrupted": str(interrupted).lower(),
-                WARM_START_LR: f"{self.problem.evaluator.warm_start_lr:g}",
+                WARM_START_LR: float(f"{self.problem.evaluator.warm_start_lr:g}"),
                 **self._run_provenance(),
             }
         )

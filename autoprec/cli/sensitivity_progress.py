@@ -25,18 +25,24 @@ class _Lines:
         self.console = console
         self.stage = ""
         self.start = self.last = time.perf_counter()
+        self.first, self.began = 0, self.start  # done and the time at the stage's start
 
     def __call__(self, stage: str, done: int, total: int) -> None:
         now = time.perf_counter()
         if stage != self.stage:
-            self.stage, self.last = stage, now
+            self.stage, self.last, self.first, self.began = stage, now, done, now
             self._print(stage, done, total, now)
         elif now - self.last >= PROGRESS_EVERY_S or done == total:
             self.last = now
             self._print(stage, done, total, now)
 
     def _print(self, stage: str, done: int, total: int, now: float) -> None:
-        line = f"{stage}: {done}/{total} ({now - self.start:.0f} s)"
+        took = now - self.start
+        left = ""
+        if 0 < total and self.first < done < total:  # the time left at the pace so far
+            pace = (now - self.began) / (done - self.first)
+            left = f", about {pace * (total - done):.0f} s left"
+        line = f"{stage}: {done}/{total} ({took:.0f} s{left})"
         self.console.print(line, highlight=False, soft_wrap=True)
 
 
@@ -50,7 +56,13 @@ def sensitivity_progress(
         console: a rich console (on stderr: stdout stays free for the results).
         what: the first words of every line, e.g. ``"sensitivity on teacher"``.
     """
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     def on_plan(plan: Any) -> None:
         console.print(f"{what}: {plan.describe()}", highlight=False, soft_wrap=True)
@@ -59,7 +71,13 @@ def sensitivity_progress(
         lines = _Lines(console)
         yield (lambda stage, done, total: lines(f"{what}: {stage}", done, total)), on_plan
         return
-    columns = ("{task.description}", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    columns = (
+        "{task.description}",
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    )
     with Progress(*columns, console=console, transient=True) as bar:
         task = bar.add_task(what, total=None)
 

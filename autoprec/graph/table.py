@@ -157,5 +157,7 @@ class LayerTable:
         }
         text = json.dumps(doc, indent=2)
         if path is not None:
-            Path(path).write_text(text + "\n")
+            from autoprec.cache import write_output
+
+            write_output(path, lambda fh: fh.write(text + "\n"), what="layer table")
         return text
