@@ -10,13 +10,14 @@ import contextlib
 import json
 import sqlite3
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
-from autoprec.cache import discard, note_failed_write, read_entry, reason, write_entry
+from autoprec._text import excerpt
+from autoprec.cache import discard, note, note_failed_write, read_entry, reason, write_entry
 
 T = TypeVar("T")
 # the SQLite result codes of a file that is not (or no longer) a database
@@ -38,13 +39,22 @@ def save_state_atomic(path: Path, state: dict[str, torch.Tensor]) -> bool:
     return write_entry(path, lambda fh: torch.save(state, fh), binary=True, what=_WHAT_WARM)
 
 
-def load_state(path: Path) -> dict[str, torch.Tensor] | None:
+def load_state(
+    path: Path, like: Mapping[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor] | None:
     """Weights saved by :func:`save_state_atomic`, on the CPU; None when the file is missing
-    or damaged (then it is discarded, with a note)."""
-    return read_entry(path, _read_state, _WHAT_WARM)
+    or damaged (then it is discarded, with a note).
+
+    Args:
+        path: the file.
+        like: the state it must match (e.g. the model's ``state_dict()``): the same names,
+            and each tensor of the same shape and dtype, finite where ``like``'s is. None:
+            any dict of tensors.
+    """
+    return read_entry(path, lambda p: _read_state(p, like), _WHAT_WARM)
 
 
-def _read_state(path: Path) -> dict[str, torch.Tensor]:
+def _read_state(path: Path, like: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch's messages suggest weights_only=False: not for a cache
@@ -55,7 +65,35 @@ def _read_state(path: Path) -> dict[str, torch.Tensor]:
         isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
     ):
         raise DamagedStateError(f"holds a {type(state).__name__}, not a dict of tensors")
+    if like is not None:
+        _check_like(state, like)
     return state
+
+
+def _check_like(state: Mapping[str, torch.Tensor], like: Mapping[str, torch.Tensor]) -> None:
+    """Raise :class:`DamagedStateError` unless ``state`` fits ``like`` (see :func:`load_state`)."""
+    lacking, extra = like.keys() - state.keys(), state.keys() - like.keys()
+    if lacking:
+        raise DamagedStateError(
+            f"lacks {len(lacking)} of the model's tensors: {excerpt(sorted(lacking))}"
+        )
+    if extra:
+        raise DamagedStateError(
+            f"holds {len(extra)} tensor(s) the model lacks: {excerpt(sorted(extra))}"
+        )
+    for name, want in like.items():
+        got = state[name]
+        if got.shape != want.shape or got.dtype != want.dtype:
+            raise DamagedStateError(
+                f"{name} is {got.dtype} {tuple(got.shape)}, the model's is {want.dtype} "
+                f"{tuple(want.shape)}"
+            )
+        if not _all_finite(got) and _all_finite(want):
+            raise DamagedStateError(f"{name} holds NaN or infinite values")
+
+
+def _all_finite(tensor: torch.Tensor) -> bool:
+    return not tensor.is_floating_point() or bool(torch.isfinite(tensor).all())
 
 
 def _create(db: sqlite3.Connection) -> None:
@@ -81,11 +119,19 @@ class EvaluationStore:
     damaged file is discarded and started again; any other failure of the database (a full
     disk, a read-only folder) turns the store off for this process with a note: ``get``
     finds nothing and ``put`` keeps nothing, and the evaluations are simply run.
+
+    Args:
+        path: the SQLite file.
+        parse: reads a row's JSON value (e.g. :meth:`Metrics.from_dict`), raising
+            ``ValueError`` or ``TypeError`` for a row that does not fit its schema; the
+            default returns it as it is.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, parse: Callable[[Any], Any] = lambda row: row) -> None:
         self.path = Path(path)
         self.enabled = True
+        self._parse = parse
+        self._noted_rows = False
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -130,16 +176,26 @@ class EvaluationStore:
             self.enabled = False
             note_failed_write(_WHAT_STORE, self.path, exc)
 
-    def get(self, key: str) -> dict[str, Any] | None:
-        """The stored metrics dict, or None (also for a row that is not valid JSON)."""
+    def get(self, key: str) -> Any | None:
+        """The row of ``key`` read by ``parse``; None when there is none, or when it does not
+        parse (a row of another version of autoprec, or damaged): then it is deleted, with
+        one note per store, and recomputed by the caller."""
         query = "SELECT metrics FROM evaluations WHERE key = ?"
         row = self._call(lambda db: db.execute(query, (key,)).fetchone())
         if row is None:
             return None
         try:
-            return json.loads(row[0])
-        except (TypeError, ValueError):
-            return None  # recomputed, and replaced by put
+            return self._parse(json.loads(row[0]))
+        except (TypeError, ValueError) as exc:
+            self._call(lambda db: db.execute("DELETE FROM evaluations WHERE key = ?", (key,)))
+            if not self._noted_rows:
+                self._noted_rows = True
+                note(
+                    f"{_WHAT_STORE} {self.path} holds a row that does not fit this autoprec "
+                    f"({reason(exc)}); discarded it, recomputing (other rows alike are not "
+                    "reported)"
+                )
+            return None
 
     def put(self, key: str, metrics: dict[str, Any]) -> None:
         """Store (or replace) the metrics dict under ``key``."""

@@ -68,7 +68,7 @@ class EvaluationCache:
     def __init__(self, path: Path, identity: EvaluationIdentity, module: nn.Module) -> None:
         self.identity = identity
         self.settings_key = identity.key()
-        self.store = EvaluationStore(path)
+        self.store = EvaluationStore(path, parse=Metrics.from_dict)
         self._module = module
         self._memo: dict[str, Metrics] = {}
 
@@ -90,10 +90,8 @@ class EvaluationCache:
         key = self.key(policy, fidelity)
         if key in self._memo:
             return self._memo[key]
-        stored = self.store.get(key)
-        if stored is not None:
-            metrics = Metrics.from_dict(stored)
-        else:
+        metrics = self.store.get(key)  # None: not kept, or a row that did not fit (discarded)
+        if metrics is None:
             metrics = compute()
             self.store.put(key, metrics.to_dict())
         self._memo[key] = metrics

@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from autoprec._text import excerpt
+
 SOURCES = ("measured", "model")
+
+
+class MetricsError(ValueError):
+    """A dict that does not hold :class:`Metrics` (a field missing, or of another type): from
+    another version of autoprec, or damaged."""
 
 
 @dataclass(frozen=True)
@@ -63,7 +71,7 @@ class Metrics:
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
-            raise ValueError(f"unknown metrics source {self.source!r}; expected one of {SOURCES}")
+            raise MetricsError(f"unknown metrics source {self.source!r}; expected one of {SOURCES}")
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict of every field."""
@@ -73,6 +81,42 @@ class Metrics:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Metrics:
-        """Inverse of :meth:`to_dict`; unknown keys (from a newer version) are ignored."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
+        """Inverse of :meth:`to_dict`; unknown keys (from a newer version) are ignored.
+
+        Raises:
+            MetricsError: ``data`` is not a dict, lacks a field without a default, or holds a
+                field of another type (an int is a float; a bool is no number).
+        """
+        if not isinstance(data, Mapping):
+            raise MetricsError(f"metrics must be a dict; got a {type(data).__name__}")
+        missing = [f.name for f in _FIELDS if f.name not in data and _required(f)]
+        if missing:
+            raise MetricsError(f"metrics lack {len(missing)} field(s): {excerpt(missing)}")
+        values = {}
+        for f in _FIELDS:
+            if f.name not in data:
+                continue
+            value = data[f.name]
+            kinds = _KINDS[f.name]
+            if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+                raise MetricsError(
+                    f"metrics field {f.name} must be {_KIND_NAMES[f.name]}; got {excerpt(value)}"
+                )
+            values[f.name] = float(value) if float in kinds else value
+        return cls(**values)
+
+
+def _required(f: dataclasses.Field) -> bool:
+    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+
+
+def _kinds(hint: Any) -> tuple[type, ...]:
+    """The Python types a JSON value of the annotation ``hint`` may have."""
+    origin = typing.get_origin(hint) or hint
+    return (int, float) if origin is float else (origin,)
+
+
+_FIELDS = dataclasses.fields(Metrics)
+_KINDS = {name: _kinds(hint) for name, hint in typing.get_type_hints(Metrics).items()}
+_NAMES = {float: "a number", int: "an integer", str: "a string", bool: "true or false"}
+_KIND_NAMES = {name: _NAMES.get(k[-1], "a dict") for name, k in _KINDS.items()}
