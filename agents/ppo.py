@@ -25,8 +25,10 @@ gives the same result, only later.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
+import io
 import json
 import math
 import warnings
@@ -37,6 +39,15 @@ from typing import TYPE_CHECKING, Any
 from autoprec.agents.base import SURROGATE, Agent, Problem, Session
 from autoprec.agents.naming import file_safe
 from autoprec.agents.polish import polished
+from autoprec.agents.ppo_checkpoint import (
+    CHECKPOINT_NAME,
+    STATE_FORMAT,
+    STATE_NAME,
+    CheckpointError,
+    in_the_way,
+    mismatch,
+    parse_state,
+)
 from autoprec.agents.ppo_sb3 import (
     Pool,
     add_to_pool,
@@ -48,9 +59,7 @@ from autoprec.agents.ppo_sb3 import (
 if TYPE_CHECKING:  # pragma: no cover
     from autoprec.envs.precision_env import PrecisionEnv
 
-CHECKPOINT_NAME = "ppo_model.zip"
-STATE_NAME = "ppo_state.json"
-STATE_FORMAT = 1
+_WHAT = "PPO checkpoint"  # as cache notes name it
 MAX_TIMESTEPS = 200_000
 
 
@@ -148,10 +157,8 @@ class PPOAgent(Agent):
         return None if self.checkpoint_dir is None else self.checkpoint_dir / CHECKPOINT_NAME
 
     def run(self, session: Session) -> None:
-        if self._start_over and self.checkpoint_dir.exists():
-            for item in self.checkpoint_dir.iterdir():  # a new search starts a new agent
-                if item.is_file():
-                    item.unlink()
+        if self._start_over:
+            self._clear()
         problem = session.problem
         n_layers = len(problem.layers())
         kwargs = self._ppo_arguments(session, n_layers)
@@ -259,20 +266,37 @@ class PPOAgent(Agent):
         evaluator_seed = kwargs.pop("seed", None)
         return make_vec(self.n_envs, seed=session.seed, env_seed=evaluator_seed, **kwargs)
 
+    def _clear(self) -> None:
+        """Delete the files of ``checkpoint_dir`` (a new search starts a new agent); what
+        cannot be deleted (a read-only disk) stays, and is continued only if it matches."""
+        with contextlib.suppress(OSError):
+            for item in self.checkpoint_dir.iterdir():
+                if item.is_file():
+                    item.unlink()
+
     def _save(
         self, model: Any, session: Session, settings: dict[str, Any], pool: Pool, round_: int
     ) -> None:
         """Checkpoint the state at the start of round ``round_``'s proposals (or, before any
-        training, of the search): the model, then the state that names the model's digest."""
-        from autoprec.cache import write_atomic
+        training, of the search): the model, then the state that names the model's digest.
+
+        Fail-soft, as a cache: a file that cannot be written (a full or read-only disk) is
+        one note and the search goes on without a checkpoint; a folder (or anything not a
+        file) in the way, already warned of by :meth:`_restore`, is left alone.
+        """
+        from autoprec.cache import write_entry
 
         path = self.checkpoint_path
-        if path is None:
+        if path is None or any(in_the_way(p) for p in (path, path.with_name(STATE_NAME))):
             return
-        write_atomic(path, model.save, binary=True)
+        buffer = io.BytesIO()
+        model.save(buffer)
+        data = buffer.getvalue()
+        if not write_entry(path, lambda fh: fh.write(data), binary=True, what=_WHAT):
+            return
         state = {
             "format": STATE_FORMAT,
-            "model_sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+            "model_sha256": hashlib.sha256(data).hexdigest(),
             "settings": settings,
             "round": round_,
             "num_timesteps": int(model.num_timesteps),
@@ -280,8 +304,8 @@ class PPOAgent(Agent):
             "real": [[t.policy, t.attrs] for t in session.result.real_trials],
         }
         text = json.dumps(state, default=repr)
-        write_atomic(path.with_name(STATE_NAME), lambda fh: fh.write(text))
-        session.result.info["checkpoint"] = str(path)
+        if write_entry(path.with_name(STATE_NAME), lambda fh: fh.write(text), what=_WHAT):
+            session.result.info["checkpoint"] = str(path)
 
     def _restore(
         self, venv: Any, session: Session, settings: dict[str, Any], pool: Pool
@@ -290,16 +314,20 @@ class PPOAgent(Agent):
         through the evaluator's cache) as they were; ``(None, 0)`` without a usable
         checkpoint."""
         path = self.checkpoint_path
-        if path is None or not path.exists():
+        if path is None:
             return None, 0
         state_path = path.with_name(STATE_NAME)
+        if not path.exists() and not in_the_way(state_path):
+            return None, 0
         try:
-            state = json.loads(state_path.read_text())
-            reason = _mismatch(state, settings, path)
+            state = parse_state(state_path, path)
+            reason = mismatch(state, settings, path)
             if reason is None:
                 from sb3_contrib import MaskablePPO
 
                 model = MaskablePPO.load(path, env=venv, device="cpu")
+        except CheckpointError as exc:
+            reason = str(exc)
         except Exception as exc:  # noqa: BLE001 - any damage: start over (same result, later)
             reason = f"it cannot be read ({type(exc).__name__}: {str(exc)[:200]})"
         if reason is not None:
@@ -364,15 +392,3 @@ def _phase_seed(seed: int, round_: int, phase: str) -> int:
     """The seed of one phase of one round, a function of the search's seed only."""
     digest = hashlib.sha256(f"{seed}:{round_}:{phase}".encode()).digest()
     return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
-
-
-def _mismatch(state: Mapping[str, Any], settings: dict[str, Any], path: Path) -> str | None:
-    """Why the checkpoint cannot be continued (None if it can)."""
-    if state.get("format") != STATE_FORMAT:
-        return f"it has format {state.get('format')!r}, not {STATE_FORMAT}"
-    if state.get("model_sha256") != hashlib.sha256(path.read_bytes()).hexdigest():
-        return f"{path.name} is not the model its {STATE_NAME} was written with"
-    differ = sorted(k for k in settings if state["settings"].get(k) != settings[k])
-    if differ:
-        return f"it was made with other settings ({', '.join(differ)})"
-    return None
