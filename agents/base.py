@@ -76,6 +76,8 @@ class Problem:
     Raises:
         ValueError: a surrogate or unknown fidelity, an unknown precision, or no listed
             precision runs on the target.
+        NoTunableLayerError: no layer of the model can be tuned (checked on the evaluator's
+            layer table, before any training).
     """
 
     evaluator: Evaluator
@@ -105,6 +107,10 @@ class Problem:
                 f"none of the precisions {', '.join(precisions)} runs on {device.name} (it "
                 f"supports {', '.join(device.supported_precisions)}); add one of those"
             )
+        if not self.layers():
+            from autoprec.layers import NoTunableLayerError
+
+            raise NoTunableLayerError.of(self.table.model)
 
     @property
     def table(self) -> Any:

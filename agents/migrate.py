@@ -278,9 +278,10 @@ def migrate(
 
     Raises:
         MigrationError: the target cannot run ``precision``, it is fp32, a negative tolerance,
-            the surrogate fidelity, or a model without tunable layers.
+            or the surrogate fidelity.
+        NoTunableLayerError: a model without tunable layers.
     """
-    from autoprec.layers import tunable_layers
+    from autoprec.layers import NoTunableLayerError, tunable_layers
 
     start = time.perf_counter()
     low = check_precision(evaluator.device, precision)
@@ -291,7 +292,7 @@ def migrate(
         raise MigrationError(f"fidelity must be 'short' or 'full', got {fid!r}")
     layers = [name for name, _ in tunable_layers(evaluator.spec.module)]
     if not layers:
-        raise MigrationError(f"model {evaluator.spec.name!r} has no tunable layers to migrate")
+        raise NoTunableLayerError.of(evaluator.spec.name)
     run = _Migration(evaluator, low, float(tolerance), fid, layers, on_step)
     # only the layers the target runs at `low` (no fp8 convolution natively): the others
     # stay fp32 and are not tried

@@ -166,7 +166,7 @@ class PrecisionEnv(gym.Env):
     Raises:
         ValueError: an unknown precision, an empty or duplicated action set, a layer none of
             whose ``choices`` is in the action set, a bad ``render_mode`` or ``target_speedup``,
-            or a table without tunable layers.
+            or a table without tunable layers (:class:`~autoprec.layers.NoTunableLayerError`).
     """
 
     metadata = {"render_modes": ["ansi"]}
@@ -201,7 +201,9 @@ class PrecisionEnv(gym.Env):
         self.device = device
         self.layers = tuple(table.names)
         if not self.layers:
-            raise ValueError(f"model {table.model!r} has no tunable layers to search")
+            from autoprec.layers import NoTunableLayerError
+
+            raise NoTunableLayerError.of(table.model)
 
         # Static features, costs and masks: computed once.
         self._static = static_features(table.rows)

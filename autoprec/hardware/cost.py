@@ -198,7 +198,7 @@ class CostModel:
             for q in wider
             if q in spec.peak_tflops
         ]
-        if not rated:
+        if not rated or not max(rated) > 0:
             raise CostModelError(
                 f"device {spec.name!r} has no published rate for {p} or any wider precision"
                 f"{where}; rated: {', '.join(spec.peak_tflops) or 'none'}"
@@ -284,6 +284,7 @@ class CostModel:
         Raises:
             CostModelError: unknown optimizer or memory format, bad batch size, or a precision
                 the device cannot run.
+            NoTunableLayerError: the table has no layer (the step is priced by its layers).
         """
         opt = optimizer.lower()
         if opt not in OPTIMIZER_BYTES_PER_PARAM:
@@ -291,9 +292,14 @@ class CostModel:
                 f"unknown optimizer {optimizer!r}; expected one of "
                 f"{', '.join(OPTIMIZER_BYTES_PER_PARAM)}"
             )
+        if not table.rows:
+            from autoprec.layers import NoTunableLayerError
+
+            raise NoTunableLayerError.of(table.model)
         batch = table.batch_size if batch_size is None else batch_size
-        if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
-            raise CostModelError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        for what, value in (("batch_size", batch), ("the table's batch_size", table.batch_size)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise CostModelError(f"{what} must be an integer >= 1, got {value!r}")
         if memory_format not in MEMORY_FORMATS:
             raise CostModelError(
                 f"unknown memory format {memory_format!r}; expected one of "
