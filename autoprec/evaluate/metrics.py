@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -97,12 +98,12 @@ class Metrics:
             if f.name not in data:
                 continue
             value = data[f.name]
-            kinds = _KINDS[f.name]
-            if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+            kind, accepted = _KINDS[f.name]
+            if isinstance(value, bool) and kind is not bool or not isinstance(value, accepted):
                 raise MetricsError(
                     f"metrics field {f.name} must be {_KIND_NAMES[f.name]}; got {excerpt(value)}"
                 )
-            values[f.name] = float(value) if float in kinds else value
+            values[f.name] = kind(value) if kind in (float, int) else value
         return cls(**values)
 
 
@@ -110,13 +111,14 @@ def _required(f: dataclasses.Field) -> bool:
     return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
 
 
-def _kinds(hint: Any) -> tuple[type, ...]:
-    """The Python types a JSON value of the annotation ``hint`` may have."""
+def _kinds(hint: Any) -> tuple[type, type]:
+    """``(the field's type, the types a value of it may have)`` for the annotation ``hint``
+    (numpy's numbers too)."""
     origin = typing.get_origin(hint) or hint
-    return (int, float) if origin is float else (origin,)
+    return (origin, {float: numbers.Real, int: numbers.Integral}.get(origin, origin))
 
 
 _FIELDS = dataclasses.fields(Metrics)
 _KINDS = {name: _kinds(hint) for name, hint in typing.get_type_hints(Metrics).items()}
 _NAMES = {float: "a number", int: "an integer", str: "a string", bool: "true or false"}
-_KIND_NAMES = {name: _NAMES.get(k[-1], "a dict") for name, k in _KINDS.items()}
+_KIND_NAMES = {name: _NAMES.get(k[0], "a dict") for name, k in _KINDS.items()}
