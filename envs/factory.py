@@ -84,6 +84,10 @@ def make_env(
         )
     device = evaluator.device
     table = evaluator.cost_table()
+    if not table.rows:  # refused before the surrogate's warm start and sensitivities
+        from autoprec.layers import NoTunableLayerError
+
+        raise NoTunableLayerError.of(table.model)
     sensitivity = evaluator.surrogate().table
     supported = [p for p in actions if device.supports(p)]
     if not supported:

@@ -254,3 +254,18 @@ def test_a_model_with_no_layer_to_tune_is_one_line_before_any_training(
     assert line.startswith("autoprec: error: model 'no_layer_model:build' has no layer")
     assert "warm start" not in outcome.out + outcome.err
     assert not (tmp_path / "cache" / "warmstart").exists()
+
+
+def test_an_environment_of_a_model_with_no_layer_to_tune_is_refused_before_training(
+    tmp_path, monkeypatch
+):
+    from autoprec.envs.factory import make_env
+    from autoprec.layers import NoTunableLayerError
+
+    (tmp_path / "no_layer_model.py").write_text(NO_LAYER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("AUTOPREC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delitem(sys.modules, "no_layer_model", raising=False)
+    with pytest.raises(NoTunableLayerError, match="'no_layer_model:build' has no layer"):
+        make_env(model="no_layer_model:build", image_size=32)
+    assert not (tmp_path / "cache" / "warmstart").exists()
