@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autoprec.agents.base import SURROGATE, Agent, Problem, Session
-from autoprec.agents.naming import file_safe
+from autoprec.agents.naming import state_folder
 from autoprec.agents.polish import polished
 from autoprec.agents.ppo_checkpoint import (
     CHECKPOINT_NAME,
@@ -145,9 +145,7 @@ class PPOAgent(Agent):
         self.checkpoint_dir = None if checkpoint_dir is None else Path(checkpoint_dir)
         self._start_over = self.checkpoint_dir is None and name is not None and not resume
         if self.checkpoint_dir is None and name is not None:
-            from autoprec.cache import cache_dir
-
-            self.checkpoint_dir = cache_dir() / "agents" / file_safe(name)
+            self.checkpoint_dir = state_folder(name)
         self.ppo_kwargs = dict(ppo_kwargs or {})
         self.verbose = verbose
 

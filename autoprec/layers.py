@@ -37,6 +37,19 @@ NORM_TYPES: tuple[type[nn.Module], ...] = (
 LayerFilter = Callable[[nn.Module, str], bool]
 
 
+class NoTunableLayerError(ValueError):
+    """No layer autoprec can tune runs in the model's forward: nothing to search or price."""
+
+    @classmethod
+    def of(cls, model: str) -> NoTunableLayerError:
+        """The error for the model named ``model``."""
+        kinds = ", ".join(t.__name__ for t in TUNABLE_TYPES)
+        return cls(
+            f"model {model!r} has no layer autoprec can tune: no {kinds} or Hugging Face Conv1D "
+            "runs in its forward, so there is no precision to choose; give a model with one"
+        )
+
+
 def is_conv1d(module: nn.Module) -> bool:
     """A GPT-2 style ``Conv1D`` (class named ``Conv1D`` with a 2-d ``weight`` of (in, out))."""
     weight = getattr(module, "weight", None)

@@ -14,6 +14,7 @@ given rate train exactly as a plain loop would.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import statistics
@@ -70,6 +71,7 @@ def train_fp32(
     momentum: float = 0.9,
     strict: bool = True,
     what: str = "fp32 training",
+    progress: Callable[[str, int, int], None] | None = None,
 ) -> list[Attempt]:
     """Train ``model`` in place for ``steps`` fp32 SGD steps at ``lr``, backing off until it
     learns (see the module's docstring).
@@ -81,6 +83,8 @@ def train_fp32(
 
         strict: raise when no rate learns (else return, the last attempt's weights kept).
         what: what is trained, as the error names it.
+        progress: ``progress(stage, done, total)`` after each step (``done`` of ``steps``;
+            ``stage`` names the attempt's rate), and with ``done`` 0 as each attempt starts.
 
     Returns:
         Every attempt; the last one's weights are in ``model`` (it learnt, unless ``strict`` is
@@ -98,7 +102,10 @@ def train_fp32(
         if retry:
             model.load_state_dict(initial)
         torch.manual_seed(seed)
-        attempts.append(_attempt(model, loss, batches(), steps, rate, momentum))
+        stage = f"lr {rate:g}" + (f" (retry {retry} of {MAX_BACKOFFS})" if retry else "")
+        report = functools.partial(progress or (lambda stage, done, total: None), stage)
+        report(0, steps)
+        attempts.append(_attempt(model, loss, batches(), steps, rate, momentum, report))
         if steps <= 0 or attempts[-1].learned:
             return attempts
     if not strict:
@@ -117,8 +124,10 @@ def _attempt(
     steps: int,
     lr: float,
     momentum: float,
+    report: Callable[[int, int], None] = lambda done, total: None,
 ) -> Attempt:
-    """One run of at most ``steps`` steps, stopped as soon as it diverges."""
+    """One run of at most ``steps`` steps, stopped as soon as it diverges; ``report(done,
+    steps)`` after each."""
     import torch
 
     model.train()
@@ -130,6 +139,7 @@ def _attempt(
         value.backward()
         opt.step()
         losses.append(float(value.detach()))
+        report(len(losses), steps)
         window = statistics.fmean(losses[-LOSS_WINDOW:])
         if not math.isfinite(window) or window > DIVERGED_FACTOR * losses[0]:
             return Attempt(lr, losses[0], window, len(losses), diverged=True)

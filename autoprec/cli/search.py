@@ -273,6 +273,8 @@ class _SearchRun:
             f"costs for {device.name} at batch {o['train_batch_size']}, input "
             f"{tuple(cost_spec.input_shape)}"
         )
+        # a model with no layer to tune is refused here, before the warm start
+        problem = Problem(evaluator, fidelity=o["fidelity"], reward=reward, precisions=precisions)
         with self._phase("warm start and fp32 reference", draws_progress=True):
             with sensitivity_progress(self.console, "warm start") as (progress, _):
                 evaluator.warm_start_state(progress)  # its steps and time left, if it trains
@@ -280,7 +282,6 @@ class _SearchRun:
                 evaluator.reference()
         self.evaluator = evaluator  # its workers are stopped when the command ends
         self.at_once = start_workers(evaluator, o["workers"], self.console.print)
-        problem = Problem(evaluator, fidelity=o["fidelity"], reward=reward, precisions=precisions)
         prefetch_comparisons(problem)  # the workers run them while the sensitivities are measured
         with self._phase("sensitivity", draws_progress=True):
             build_surrogate(evaluator, self.console)

@@ -169,10 +169,12 @@ class Evaluator:
         """The file holding the fp32 warm-start weights."""
         return self._warm.path
 
-    def warm_start_state(self) -> dict[str, torch.Tensor]:
+    def warm_start_state(
+        self, progress: Callable[[str, int, int], None] | None = None
+    ) -> dict[str, torch.Tensor]:
         """The fp32 warm-start weights every evaluation fine-tunes from (trained or loaded on
-        first use)."""
-        return self._warm.state()
+        first use; a training tells its steps to ``progress(stage, done, total)``)."""
+        return self._warm.state(progress)
 
     @property
     def warm_start_lr(self) -> float:

@@ -79,14 +79,16 @@ class WarmStart:
         self._state: dict[str, torch.Tensor] | None = None
         self._lr = config.lr
 
-    def state(self) -> dict[str, torch.Tensor]:
+    def state(self, progress: Any = None) -> dict[str, torch.Tensor]:
         """The weights (CPU tensors): from memory, else from the file, else trained and saved
-        (a file that cannot be written costs a note; the weights stay in memory)."""
+        (a file that cannot be written costs a note; the weights stay in memory); a training's
+        steps are told to ``progress(stage, done, total)`` (see :func:`train_fp32`)."""
         if self._state is not None:
             return self._state
-        saved = load_state(self.path)  # None: missing, or damaged and discarded
+        like = {**self.spec.module.state_dict(), LR_KEY: torch.tensor(1.0, dtype=torch.float64)}
+        saved = load_state(self.path, like)  # None: missing, or damaged (not like) and discarded
         if saved is None:
-            saved = self._train()
+            saved = self._train(progress)
             save_state_atomic(self.path, saved)
             self.trained = True
         rate = saved.get(LR_KEY)
@@ -101,7 +103,7 @@ class WarmStart:
         self.state()
         return self._lr / self.config.lr
 
-    def _train(self) -> dict[str, torch.Tensor]:
+    def _train(self, progress: Any = None) -> dict[str, torch.Tensor]:
         """``warm_start_steps`` fp32 SGD steps (momentum 0.9) from the spec's weights, at the
         configured rate or a backed-off one; the rate is saved under :data:`LR_KEY`."""
         cfg = self.config
@@ -115,6 +117,7 @@ class WarmStart:
             cfg.lr,
             cfg.seed,
             what=WHAT,
+            progress=progress,
         )
         note = backoff_note(WHAT, self.attempts)
         if note is not None:
