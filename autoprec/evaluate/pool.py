@@ -130,6 +130,11 @@ class EvaluationPool:
         )
         if launches:
             self._executor._launch_processes()
+            # and the thread that tells them to exit at shutdown (else it starts at the first
+            # submit: a pool never given work would leave them waiting, and the interpreter's
+            # exit would join them forever)
+            with contextlib.suppress(AttributeError):
+                self._executor._start_executor_manager_thread()
         self._futures: dict[str, Future] = {}
 
     @property

@@ -67,3 +67,18 @@ def test_the_default_uses_workers_only_for_models_that_take_long(monkeypatch):
     assert chosen_workers(3, 0.1) == 3 and chosen_workers(0, 100.0) == 0  # as asked
     monkeypatch.setattr(os, "cpu_count", lambda: 1)
     assert chosen_workers(None, 100.0) == 0
+
+
+def test_a_pool_given_no_work_stops_its_workers(spec, data, tmp_path):
+    """Workers start with the pool; one that never gets a run (every evaluation cached) must
+    still exit when the pool closes, else the interpreter's exit waits for them forever (a PPO
+    search on a full cache hung so)."""
+    ev = Evaluator(spec, data, TARGET, cache_dir=tmp_path / "c", **SMALL)
+    ev.reference()
+    assert ev.start_workers(2) is None
+    processes = list(ev._pool._executor._processes.values())
+    assert len(processes) == 2
+    ev.stop_workers()
+    for process in processes:
+        process.join(timeout=30)
+    assert [p.exitcode for p in processes] == [0, 0]
