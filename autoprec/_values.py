@@ -37,6 +37,8 @@ def finite(value: object) -> bool:
 
 #: The largest finite float32: a loss scale above it is infinite in the scaler's fp32 tensor.
 FLOAT32_MAX = 3.4028234663852886e38
+#: The smallest normal float32: a loss scale below it underflows in the scaler's fp32 tensor.
+FLOAT32_TINY = 1.1754943508222875e-38
 #: The largest int32: a step count held in an int tensor (the loss scaler's growth tracker).
 INT32_MAX = 2**31 - 1
 

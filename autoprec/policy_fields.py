@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 from autoprec._text import excerpt
 from autoprec._values import (  # the checks of one value, which the sections' checks use
     FLOAT32_MAX,
+    FLOAT32_TINY,
     INT32_MAX,
     SEED_RANGE,  # noqa: F401 - every command's seeds, imported from here by the commands
     NumberRange,
@@ -149,10 +150,10 @@ def check_number(value: object, bounds: NumberRange, name: str, path: Field) -> 
         raise PolicyError(f"{name} must be {problem}", field=path)
 
 
-#: The range of each numeric field of ``loss_scaling``: a scale must be a finite float32 (the
-#: scaler holds it in one), the growth interval an int32 step count.
+#: The range of each numeric field of ``loss_scaling``: a scale must be a finite, normal float32
+#: (the scaler holds it in one), the growth interval an int32 step count.
 LOSS_SCALING_RANGES = {
-    "init_scale": NumberRange(low=0, open_low=True, high=FLOAT32_MAX, example="32768"),
+    "init_scale": NumberRange(low=FLOAT32_TINY, high=FLOAT32_MAX, example="32768"),
     "growth_factor": NumberRange(low=1, open_low=True, high=FLOAT32_MAX, example="2.0"),
     "backoff_factor": NumberRange(low=0, high=1, open_low=True, open_high=True, example="0.5"),
     "growth_interval": NumberRange(integer=True, low=1, high=INT32_MAX, example="2000"),

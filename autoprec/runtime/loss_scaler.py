@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from autoprec._values import FLOAT32_MAX
+from autoprec._values import FLOAT32_MAX, FLOAT32_TINY
 from autoprec.policy import LOSS_SCALING_KINDS
 
 __all__ = ["LOSS_SCALER_KINDS", "SCALE_RANGE", "LossScaler", "ScaleRecord"]
@@ -35,7 +35,7 @@ LOSS_SCALER_KINDS = LOSS_SCALING_KINDS  # the kinds a policy's loss_scaling sect
 # float32's smallest normal number rounds to 0 (or its reciprocal overflows to inf), so zero
 # gradients became 0 * inf = NaN after the check had passed them: the step was taken with NaN
 # gradients and the weights turned NaN. Above float32's largest number the scale is inf.
-SCALE_RANGE = (torch.finfo(torch.float32).tiny, FLOAT32_MAX)
+SCALE_RANGE = (FLOAT32_TINY, FLOAT32_MAX)
 
 
 class ScaleRecord(NamedTuple):

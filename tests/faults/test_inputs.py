@@ -197,7 +197,7 @@ POLICY_CASES = [
     (
         "init_scale_1e300",
         HEAD + "loss_scaling: {init_scale: 1.0e+300}\n",
-        ["line 3: loss_scaling.init_scale must be a number > 0 and <= 3.4e+38", "1e+300"],
+        ["line 3: loss_scaling.init_scale must be a number between 1.18e-38 and 3.4e+38", "1e+300"],
     ),
     (
         "growth_interval_10e400",

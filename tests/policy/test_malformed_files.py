@@ -109,14 +109,16 @@ POLICY_CASES = [
         "init_scale_int_1e400",
         "p.yaml",
         HEAD + "loss_scaling: {init_scale: 1" + "0" * 400 + "}\n",
-        r", line 3: loss_scaling.init_scale must be a number > 0 and <= 3\.4e\+38, e\.g\. 32768; "
+        r", line 3: loss_scaling.init_scale must be a number between 1\.18e-38 and 3\.4e\+38, "
+        r"e\.g\. 32768; "
         r"got an integer of about 401 digits \(int\); it is beyond the largest float",
     ),
     (
         "init_scale_float_1e400",
         "p.yaml",
         HEAD + "loss_scaling: {init_scale: 1.0e+400}\n",
-        r", line 3: loss_scaling.init_scale must be a number > 0 and <= 3\.4e\+38, e\.g\. 32768; "
+        r", line 3: loss_scaling.init_scale must be a number between 1\.18e-38 and 3\.4e\+38, "
+        r"e\.g\. 32768; "
         r"got inf \(float\)",
     ),
     (
