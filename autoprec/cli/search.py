@@ -204,8 +204,8 @@ class _SearchRun:
         amp, self.rules = comparisons(problem, self._phase)
         written = self._export(result, amp, interrupted=False)
         self._finish_tracking(result, written, amp, status="FINISHED")
-        if self.o["verify"] and written is not None:
-            self._verify(written)
+        if self.o["verify"] and written is not None and (status := self._verify(written)):
+            return status  # interrupted: the policy is written, the finished runs kept
         self.phases["total"] = time.perf_counter() - start
         self.console.print("phases: " + ", ".join(f"{k} {v:.0f} s" for k, v in self.phases.items()))
         return 0
@@ -388,23 +388,29 @@ class _SearchRun:
         )
         self.phases["tracking"] = self.phases.get("tracking", 0.0) + time.perf_counter() - begin
 
-    def _verify(self, policy_path: Path) -> None:
+    def _verify(self, policy_path: Path) -> int:
         """``autoprec verify`` of the exported policy with the small defaults of ``--verify``,
-        at the rate the warm start learnt at (the configured one unless it backed off)."""
-        from autoprec.cli.verify import run_verification, search_verify_config
+        at the rate the warm start learnt at (the configured one unless it backed off); 0, or
+        the exit status of an interrupted verification (its line says which runs finished)."""
+        from autoprec.cli.verify import VerifyInterrupted, run_verification, search_verify_config
 
         o = self.o
         config = search_verify_config(self.problem.evaluator, o)
         tracking = {"enabled": not o["no_mlflow"], "uri": o["tracking_uri"]}
-        with self._phase("verification", draws_progress=True):  # each run's progress line
-            run_verification(
-                policy_path,
-                o["model_name"],
-                config,
-                target=self.device.name,
-                tracking=tracking | {"experiment": o["experiment"]},
-                echo=lambda text: self.console.print(text, markup=False, soft_wrap=True),
-            )
+        try:
+            with self._phase("verification", draws_progress=True):  # each run's progress line
+                run_verification(
+                    policy_path,
+                    o["model_name"],
+                    config,
+                    target=self.device.name,
+                    tracking=tracking | {"experiment": o["experiment"]},
+                    echo=lambda text: self.console.print(text, markup=False, soft_wrap=True),
+                )
+        except VerifyInterrupted as err:
+            click.echo(f"autoprec: {err}", err=True)
+            return err.status
+        return 0
 
     # -- export --
     def _export(self, result: Any, amp: Any, *, interrupted: bool) -> Path | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import fractions
+import importlib
 import os
 import re
 import signal
@@ -385,3 +386,25 @@ def test_a_resumed_verification_logs_the_kept_runs_curves_to_mlflow(tmp_path, ca
         history = MlflowClient(uri).get_metric_history(run.info.run_id, "train_loss")
         assert [m.step for m in history] == [1, 2]
         assert "final_val_accuracy" in run.data.metrics
+
+
+def test_an_interrupted_search_verify_says_what_finished_and_keeps_the_policy(
+    tmp_path, capsys, monkeypatch
+):
+    """``search --verify`` stopped in its verification: the export is written, the line naming
+    the finished runs is printed and the status is the signal's (not "aborted", 130)."""
+    verify_cli = importlib.import_module("autoprec.cli.verify")  # the package's `verify` is
+    # the click command
+
+    said = "verification interrupted by SIGTERM during policy seed 0; 1 of 6 runs finished"
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise verify_cli.VerifyInterrupted(said, 143)
+
+    monkeypatch.setattr(verify_cli, "run_verification", interrupted)
+    monkeypatch.chdir(tmp_path)
+    args = ["search", "--model", "tinycnn", "--steps", "2", "--train-batch-size", "16"]
+    outcome = run_cli(capsys, [*args, "--agent", "random", "--budget", "1", "--verify"])
+    assert outcome.status == 143, outcome.err[-2000:]
+    assert outcome.lines(f"autoprec: {said}"), outcome.err[-2000:]
+    assert (tmp_path / "best_policy.yaml").is_file()
