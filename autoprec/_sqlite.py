@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import re
 import tempfile
 from collections.abc import Iterator
@@ -40,7 +41,10 @@ def sqlite_lock(uri: Any, purpose: str) -> Iterator[None]:
         return
     key = hashlib.sha256(str(database.resolve()).encode()).hexdigest()[:16]
     try:
-        handle = open(Path(tempfile.gettempdir()) / f"autoprec-{purpose}-{key}.lock", "a")  # noqa: SIM115
+        # never through a link planted at the predictable name (O_NOFOLLOW)
+        lock = Path(tempfile.gettempdir()) / f"autoprec-{purpose}-{key}.lock"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0)
+        handle = os.fdopen(os.open(lock, flags, 0o600), "a")
     except OSError:
         yield
         return

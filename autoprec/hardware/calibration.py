@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from autoprec.cache import cache_dir, write_atomic
+from autoprec.cache import cache_dir, write_entry
 from autoprec.hardware.database import DeviceSpec, detect, get_device
 from autoprec.hardware.factors import Efficiency, fill_compute
 
@@ -148,8 +148,11 @@ def calibrate(
         created=time.strftime("%Y-%m-%dT%H:%M:%S"),
     )
     if save:
-        write_atomic(
-            calibration_path(spec.name), lambda fh: json.dump(result.to_dict(), fh, indent=2)
+        # a cache entry: a disk that cannot take it costs a note, not the measurement
+        write_entry(
+            calibration_path(spec.name),
+            lambda fh: json.dump(result.to_dict(), fh, indent=2),
+            what="calibration",
         )
     return result
 

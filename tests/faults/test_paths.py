@@ -360,3 +360,34 @@ def test_other_non_regular_files_are_named(here, capsys, special):
     args = FIFO_COMMANDS["hardware estimate --policy"](path)
     kind = "a folder; give" if special == "folder" else "a character device, not a regular file"
     one_line_error(run_cli(capsys, args), f"is {kind}")
+
+
+def test_a_calibration_on_a_full_disk_is_a_note_and_still_measured(monkeypatch):
+    import autoprec.cache as cache_module
+    from autoprec.cache import CacheNote
+    from autoprec.hardware.calibration import calibrate
+
+    def full(path, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(cache_module, "_FAILED", set())  # this process's earlier notes
+    monkeypatch.setattr(cache_module, "write_atomic", full)
+    with pytest.warns(CacheNote, match="cannot write calibration .*No space left on device"):
+        result = calibrate("cpu", size=256, repeats=1)
+    assert result.achieved_tflops["fp32"] > 0
+
+
+def test_the_sqlite_lock_never_opens_a_link_planted_at_its_name(tmp_path, monkeypatch):
+    import hashlib
+    import tempfile
+
+    from autoprec._sqlite import sqlite_lock
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    database = tmp_path / "study.db"
+    key = hashlib.sha256(str(database.resolve()).encode()).hexdigest()[:16]
+    victim = tmp_path / "not-yet.txt"  # opening through the link would create it
+    (tmp_path / f"autoprec-optuna-{key}.lock").symlink_to(victim)
+    with sqlite_lock(f"sqlite:///{database}", "optuna"):
+        pass  # without the lock, not through the link
+    assert not victim.exists()
