@@ -184,7 +184,7 @@ class SearchResult:
             provenance={
                 "agent": self.agent,
                 "fidelity": trial.fidelity,
-                "trial": str(trial.number),
+                "trial": trial.number,
             },
             note=EMULATE_NOTE if self.target_mode == "emulate" else None,
         )

@@ -44,6 +44,9 @@ def test_random_search_exports_a_valid_best_policy_and_pareto_files(tmp_path, ca
     model = load_model("tinycnn", num_classes=10).module
     validate(policy, model)  # names and fingerprint match the model
     assert policy.provenance["agent"] == "random" and policy.provenance["interrupted"] == "false"
+    # numbers stay numbers, and the model is named (issue 34's messages)
+    assert policy.provenance["budget"] == 3 and isinstance(policy.provenance["trial"], int)
+    assert policy.model.name == "tinycnn"
     assert {"speedup", "loss_delta"} <= set(policy.metrics)
     rows = (pareto / "pareto.csv").read_text().splitlines()
     assert rows[0].startswith("file,") and len(rows) >= 2
