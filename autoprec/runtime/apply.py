@@ -33,6 +33,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
+from autoprec._text import excerpt
 from autoprec.hardware.program import region_of
 from autoprec.hardware.runnability import NotRunnableError
 from autoprec.policy import PATTERN_PREFIX, TARGET_MODES, PrecisionPolicy, resolve_mode
@@ -229,17 +230,19 @@ def resolve_layers(model: nn.Module, policy: Any) -> dict[str, Precision]:
     :meth:`PrecisionPolicy.coerce` reads it) puts only those it names, exactly or by pattern."""
     coerced = PrecisionPolicy.coerce(policy)
     if isinstance(policy, PrecisionPolicy):
-        check_fits(model, policy)
+        check_made_for(model, policy)
     if not isinstance(policy, Mapping):
         return coerced.resolve(model)
     modules = dict(model.named_modules())
     missing = [n for n in coerced.layers if not n.startswith(PATTERN_PREFIX) and n not in modules]
     if missing:
-        raise ValueError(f"policy names layers the model does not have: {', '.join(missing)}")
+        shown = ", ".join(excerpt(n, quote=False) for n in missing[:3])
+        more = f" and {len(missing) - 3:,} more" if len(missing) > 3 else ""
+        raise ValueError(f"policy names layers the model does not have: {shown}{more}")
     return coerced.resolve(model, named_only=True)
 
 
-def check_fits(model: nn.Module, policy: PrecisionPolicy) -> None:
+def check_made_for(model: nn.Module, policy: PrecisionPolicy) -> None:
     """Raise :class:`~autoprec.policy.PolicyMismatchError` if ``policy`` names a layer
     ``model`` does not have (an exact name; a pattern that matches nothing is allowed, as in a
     mapping) or records another model's fingerprint: the policy was made for another model

@@ -296,3 +296,15 @@ def test_apply_policy_refuses_a_policy_made_for_another_model():
         autoprec.apply_policy(small, {"extra": "fp16"}, mode="emulate")  # the mapping, as before
     pattern = PrecisionPolicy(default="bf16", layers={"re:nothing.*": "fp16"})
     autoprec.apply_policy(small, pattern, mode="emulate").remove()  # as a mapping's pattern
+
+
+def test_a_mapping_of_many_unknown_layers_is_a_short_error():
+    """A plain dict naming 100,000 layers the model lacks: the error quotes three and counts
+    the rest, as a policy file's report does (it listed every name)."""
+    model = nn.Sequential(nn.Linear(4, 4))
+    layers = {f"block{i}.proj": "bf16" for i in range(100_000)}
+    with pytest.raises(
+        ValueError, match=r"does not have: block0\.proj, .* and 99,997 more$"
+    ) as err:
+        autoprec.apply_policy(model, layers, mode="emulate")
+    assert len(str(err.value)) < 200
