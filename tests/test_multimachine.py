@@ -75,7 +75,7 @@ def test_two_tpe_processes_share_one_postgres_study(postgres_url, tmp_path):  # 
     for t in by_state.get("FAIL", []):  # asked when the other worker had filled the budget
         assert "autoprec_skipped" in t.user_attrs and "metrics" not in t.user_attrs
     for i in range(2):
-        assert load_policy(tmp_path / f"w{i}.yaml").provenance["budget"] == str(BUDGET)
+        assert load_policy(tmp_path / f"w{i}.yaml").provenance["budget"] == BUDGET
     print(
         "postgres study:",
         {state: len(trials) for state, trials in by_state.items()},

@@ -29,16 +29,11 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.flop_counter import (
-    conv_flop_count,
-    flop_registry,
-    sdpa_backward_flop_count,
-    sdpa_flop_count,
-)
 from torch.utils.weak import WeakIdKeyDictionary
 
+from autoprec.graph.flops import counts_flops, flops
+
 ACTIVATION_MATMULS = "matmuls of two activations (attention scores and values): no weight"
-_CONV_BACKWARD = torch.ops.aten.convolution_backward
 _NO_DATA = ("empty_like", "zeros_like", "ones_like", "full_like", "new_empty", "new_zeros")
 _NO_DATA += ("new_ones", "new_full", "rand_like", "randn_like", "randint_like", "scalar_tensor")
 #: Ops that pick parts of a tensor by indices (an embedding's lookup is not one: its output is
@@ -84,70 +79,6 @@ def fp32_bytes(obj: Any) -> int:
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
     return [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor)]
-
-
-def _grouped_mm_flops(a: torch.Tensor, b: torch.Tensor, *_: Any) -> int:
-    """FLOPs of ``_grouped_mm(a, b, offs)`` (and of its scaled form): each group multiplies its
-    slice of ``a`` by its matrix of ``b``; the groups' sizes (``offs``) add up to the split
-    dimension, so the operands' shapes are enough. ``a`` (tokens, K) by ``b`` (groups, K, N):
-    tokens x K x N multiply-adds; (M, K) by (K, N) with K split; (groups, M, K) by (K, N) with N
-    split; 3-d by 3-d: a batch."""
-    if a.dim() == 2 and b.dim() == 2:
-        return 2 * a.shape[0] * a.shape[1] * b.shape[1]
-    if a.dim() == 3 and b.dim() == 2:
-        return 2 * a.shape[1] * a.shape[2] * b.shape[1]
-    return 2 * (a.numel() // a.shape[-1]) * a.shape[-1] * b.shape[-1]
-
-
-def _heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[tuple[int, ...], ...]:
-    """Attention's (batch, heads, length, dim) shapes of query, key and value, the key's and
-    value's heads as the query's (grouped-query attention shares them)."""
-    b, h, sq, d = q.shape
-    return (b, h, sq, d), (b, h, k.shape[-2], d), (b, h, k.shape[-2], v.shape[-1])
-
-
-def _cpu_attention_flops(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_: Any) -> int:
-    return int(sdpa_flop_count(*_heads(q, k, v)))
-
-
-def _cpu_attention_backward_flops(
-    grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_: Any
-) -> int:
-    shapes = _heads(q, k, v)
-    return int(sdpa_backward_flop_count((*shapes[0][:3], shapes[2][-1]), *shapes))
-
-
-#: Matrix operations torch.utils.flop_counter has no formula for: the grouped GEMMs of mixtures
-#: of experts (transformers 5 multiplies its 3-d expert weights with ``torch._grouped_mm``),
-#: and the CPU's fused attention (where the meta pass fails and the analysis runs on the CPU).
-_MORE_FLOPS: dict[Any, Any] = {
-    torch.ops.aten._grouped_mm: _grouped_mm_flops,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention_flops,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: (
-        _cpu_attention_backward_flops
-    ),
-}
-if hasattr(torch.ops.aten, "_scaled_grouped_mm"):
-    _MORE_FLOPS[torch.ops.aten._scaled_grouped_mm] = _grouped_mm_flops
-
-
-def counts_flops(func: Any) -> bool:
-    """Whether the analysis has a FLOP formula for aten op ``func``."""
-    return func._overloadpacket in flop_registry or func._overloadpacket in _MORE_FLOPS
-
-
-def _flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
-    packet = func._overloadpacket
-    if packet in _MORE_FLOPS:
-        return int(_MORE_FLOPS[packet](*args))
-    if packet is _CONV_BACKWARD and len(args) >= 11:
-        # torch.utils.flop_counter ignores groups in convolution_backward (a depthwise conv's
-        # backward comes out ~channels times too large). Each gradient a convolution computes
-        # (input, weight) costs what its forward costs.
-        grad_out, x, w, transposed, mask = args[0], args[1], args[2], args[7], args[10]
-        once = conv_flop_count(list(x.shape), list(w.shape), list(grad_out.shape), transposed)
-        return int(once) * (int(bool(mask[0])) + int(bool(mask[1])))
-    return int(flop_registry[packet](*args, **kwargs, out_val=out))
 
 
 class Recorder:
@@ -419,11 +350,11 @@ class AtenOps(TorchDispatchMode):
             if self.rec.failed_op is None:
                 self.rec.failed_op = str(func)
             raise
-        flops = _flops(func, args, kwargs, out) if counts_flops(func) else 0
+        count = flops(func, args, kwargs, out) if counts_flops(func) else 0
         if self.rec.in_backward:
-            self.rec.backward_op(func, args, kwargs, out, flops)
+            self.rec.backward_op(func, args, kwargs, out, count)
         else:
-            self.rec.forward_op(func, args, kwargs, out, flops)
+            self.rec.forward_op(func, args, kwargs, out, count)
         return out
 
 

@@ -48,15 +48,14 @@ kernel overhead per kernel):
 - Layout transposes (``layout_s``), with ``memory_format="contiguous"`` (NCHW, PyTorch's
   default) on NVIDIA devices: a convolution that runs on tensor cores (tf32, bf16, fp16, fp8;
   not fp32, and not a depthwise convolution, one input channel per group) needs channels-last
-  (NHWC) operands, so cuDNN transposes each activation it reads ("The cuDNN library may use
-  padding, folding, and NCHW-to-NHWC transformations to call the Tensor Core operations",
-  cuDNN developer guide, Legacy API, Tensor Core operations). Outputs are written in NCHW by
-  the convolution itself. Forward transposes the input, the data gradient transposes the output
-  gradient, the weight gradient the input and the output gradient again: a read and a write of
-  ``2 x (input + output)`` bytes at the layer's format, 4 kernels. Where a CUDA-core kernel on
-  the NCHW data at the fp32 rate would be faster than the tensor-core kernel plus transposes,
-  that is taken instead (what cuDNN's autotuner, ``torch.backends.cudnn.benchmark``, would
-  pick). ``"channels_last"`` tensors need no transposes.
+  (NHWC) operands, so cuDNN transposes each activation it reads (docs/cost-model.md quotes
+  cuDNN's guide); the convolution writes its outputs in NCHW itself. Forward transposes the
+  input, the data gradient transposes the output gradient, the weight gradient the input and the
+  output gradient again: a read and a write of ``2 x (input + output)`` bytes at the layer's
+  format, 4 kernels. Where a CUDA-core kernel on the NCHW data at the fp32 rate would be faster
+  than the tensor-core kernel plus transposes, that is taken instead (what cuDNN's autotuner,
+  ``torch.backends.cudnn.benchmark``, would pick). ``"channels_last"`` tensors need no
+  transposes.
 - Optimizer (``optimizer_s``): SGD with momentum moves ~4 x 4 bytes per parameter, Adam(W)
   ~7 x 4 bytes, one kernel per tunable layer; under loss scaling (the policy's
   ``loss_scaling``; for a layer map, an fp16 layer: ``loss_scaling_for``) the unscaling of the
@@ -233,7 +232,7 @@ class CostModel:
         """
         p = parse_precision(precision)
         rate = self.rate(p, layer=row.name) if rate is None else rate
-        ratio = _ratio(p)
+        ratio = p.bytes_ratio
         fwd_bytes = ((row.input_bytes + row.output_bytes) * scale + row.weight_bytes) * ratio
         overhead = self.efficiency.kernel_overhead_s
         forward_s = row.forward_flops * scale / rate
@@ -293,7 +292,7 @@ class CostModel:
                 f"{', '.join(OPTIMIZER_BYTES_PER_PARAM)}"
             )
         if not table.rows:
-            from autoprec.layers import NoTunableLayerError
+            from autoprec.layers import NoTunableLayerError  # torch's: not at the import
 
             raise NoTunableLayerError.of(table.model)
         batch = table.batch_size if batch_size is None else batch_size
@@ -316,7 +315,7 @@ class CostModel:
         for row in table.rows:
             p = precision_for(row.name)
             cost = self.layer_cost(row, p, scale, high=high)
-            ratio = _ratio(p)
+            ratio = p.bytes_ratio
             in_bytes, out_bytes = row.input_bytes * scale, row.output_bytes * scale
             if transposes and _tensor_core_conv(row, p):  # NCHW <-> NHWC, see the docstring
                 moved = TRANSPOSE_PASSES * 2 * (in_bytes + out_bytes) * ratio
@@ -330,7 +329,7 @@ class CostModel:
             layers.append(cost)
             if flow is None:  # no recorded data flow: casts at each change along the layers
                 if _storage(p) != _storage(previous):  # activation cast, forward and backward
-                    cast_s += 2 * self._memory_s(in_bytes * (_ratio(previous) + ratio))
+                    cast_s += 2 * self._memory_s(in_bytes * (previous.bytes_ratio + ratio))
                 if ratio < 1:  # weight copy at the low format, once per step
                     cast_s += self._memory_s(row.weight_bytes * (1 + ratio))
                 if p.is_fp8:  # amax of input and weight
@@ -444,11 +443,6 @@ def _unscales(policy: Any, precisions: Callable[[], Mapping[str, Precision]]) ->
     fixed = isinstance(policy, PrecisionPolicy)
     scaling = policy.loss_scaling if fixed else loss_scaling_for(precisions())
     return scaling is not None and scaling.kind != "none"
-
-
-def _ratio(precision: Precision) -> float:
-    """Bytes per element at the layer's forward format, relative to fp32's 4."""
-    return precision.bytes_ratio
 
 
 def _storage(precision: Precision) -> str:
