@@ -12,12 +12,12 @@ import inspect
 import os
 import re
 import socket
-import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+from autoprec._periodic import every
 from autoprec._sqlite import sqlite_file, sqlite_lock
 from autoprec._text import excerpt
 
@@ -258,22 +258,15 @@ def heartbeat(storage: Any, trial: Any) -> Iterator[None]:
         return
     trial_id = trial._trial_id  # no public name for it
     storage.record_heartbeat(trial_id)
-    stop = threading.Event()
 
     def beat() -> None:
-        while not stop.wait(interval):
-            try:
-                storage.record_heartbeat(trial_id)
-            except Exception:  # noqa: BLE001 - a busy database: the next beat tries again
-                pass
+        try:
+            storage.record_heartbeat(trial_id)
+        except Exception:  # noqa: BLE001 - a busy database: the next beat tries again
+            pass
 
-    thread = threading.Thread(target=beat, name="autoprec-heartbeat", daemon=True)
-    thread.start()
-    try:
+    with every(interval, beat, "autoprec-heartbeat"):
         yield
-    finally:
-        stop.set()
-        thread.join()
 
 
 def tell(

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -44,20 +43,13 @@ def duration(seconds: float) -> str:
 def heartbeat(console: Any, line: Callable[[], str], every: float | None = None) -> Iterator[None]:
     """While the block runs, print ``line()`` on ``console`` every ``every`` seconds (default
     :data:`HEARTBEAT_S`) from a background thread; nothing for a block shorter than that."""
-    stop = threading.Event()
-    period = HEARTBEAT_S if every is None else every
+    from autoprec._periodic import every as periodically
 
     def beat() -> None:
-        while not stop.wait(period):
-            console.print(line(), highlight=False, soft_wrap=True, markup=False)
+        console.print(line(), highlight=False, soft_wrap=True, markup=False)
 
-    thread = threading.Thread(target=beat, name="autoprec-heartbeat", daemon=True)
-    thread.start()
-    try:
+    with periodically(HEARTBEAT_S if every is None else every, beat, "autoprec-progress"):
         yield
-    finally:
-        stop.set()
-        thread.join(timeout=5)
 
 
 @contextlib.contextmanager
