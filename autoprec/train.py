@@ -63,6 +63,7 @@ from autoprec.runtime.compiled import compile_policy
 from autoprec.train_checks import (
     PolicyMismatchError,
     TrainConfigError,
+    check_batch_fits,
     check_policy,
     check_seed,
     check_settings,
@@ -237,14 +238,10 @@ def train(
         TrainInterrupted: ``stop()`` returned True before the last step.
     """
     start = time.perf_counter()
-    check_settings(
-        dict(steps=steps, epochs=epochs, batch_size=batch_size, grad_accum=grad_accum),
-        checkpoint_every,
-        lr,
-        momentum,
-    )
+    counts = dict(steps=steps, epochs=epochs, batch_size=batch_size, grad_accum=grad_accum)
+    check_settings(counts, checkpoint_every, lr, momentum)
     check_seed(seed)
-    data.check_batch(batch_size)  # a batch beyond the machine's memory: one line, now
+    check_batch_fits(spec, data, batch_size)  # beyond the machine's memory: one line, now
     rank, world, local_rank = dist_env()
     dev = pick_device(device, local_rank if world > 1 else None)
     run_mode = pick_mode(mode, dev)

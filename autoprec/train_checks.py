@@ -49,6 +49,14 @@ def check_settings(
         raise TrainConfigError(f"momentum must be in [0, 1), got {momentum!r}")
 
 
+def check_batch_fits(spec: Any, data: Any, batch_size: int) -> None:
+    """Raise :class:`~autoprec._memory.SizeError` (one line naming the setting) unless a batch
+    of ``batch_size`` examples of ``data``, and a training step of ``spec`` on it with the
+    activations its backward keeps, fit in the machine's memory."""
+    data.check_batch(batch_size)
+    spec.check_batch(batch_size, activations=True)
+
+
 def check_seed(seed: Any, error: type[ValueError] | None = None, name: str = "seed") -> int:
     """``seed`` if it lies in :data:`~autoprec._values.SEED_RANGE`, the rule of every
     command's seed (``search`` checks its option by it too).

@@ -142,6 +142,8 @@ class Evaluator:
             settings["fidelity"] = fidelity
         base = EvaluatorConfig() if config is None else config
         self.config = dataclasses.replace(base, **settings) if settings else base
+        # a fine-tuning batch beyond the machine's memory is one line now, not in a worker
+        spec.check_batch(self.config.batch_size, activations=True)
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self.cost_spec = spec if cost_spec is None else cost_spec
         self.measured = torch.cuda.is_available() and detect().name == self.device.name

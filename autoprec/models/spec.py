@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from autoprec._memory import check_fits, elements
+from autoprec._memory import check_fits, elements, fmt_bytes
 
 
 class ModelError(ValueError):
@@ -180,11 +180,24 @@ class ModelSpec:
         inputs = elements((batch_size, *self.input_shape)) * itemsize + labels * 8
         return inputs, labels * self.num_classes * 4
 
-    def check_batch(self, batch_size: int) -> None:
+    def activation_bytes(self) -> int | None:
+        """Bytes a training step keeps for its backward per example (fp32), measured once on
+        the meta device (:func:`~autoprec.models.activations.saved_bytes_per_example`); None
+        where the model cannot run there."""
+        if not hasattr(self, "_activations"):
+            from autoprec.models.activations import saved_bytes_per_example
+
+            self._activations = saved_bytes_per_example(self)
+        return self._activations
+
+    def check_batch(self, batch_size: int, activations: bool = False) -> None:
         """Raise :class:`~autoprec._memory.SizeError`, naming the setting to lower, if a batch
-        of ``batch_size`` inputs and its logits would not fit in the machine's memory."""
+        of ``batch_size`` inputs and its logits (with ``activations``, and what a training step
+        on it keeps for the backward: :meth:`activation_bytes`) would not fit in the machine's
+        memory."""
         inputs, logits = self.batch_bytes(batch_size)
-        if logits > inputs:
+        kept = batch_size * (self.activation_bytes() or 0) if activations else 0
+        if logits > inputs + kept:
             fix = f"lower num_classes ({self.num_classes:,})"
         elif self.family == "user":
             fix = "give the model a smaller input (its autoprec_input_shape, or the image size)"
@@ -195,10 +208,14 @@ class ModelSpec:
         if batch_size > 1:
             fix += f" or the batch size ({batch_size:,})"
         what = "one input" if batch_size == 1 else f"a batch of {batch_size:,} inputs"
+        held = f"{self.num_classes:,}-class logits"
+        if kept:
+            held += (
+                f" and the activations a training step keeps for its backward ({fmt_bytes(kept)})"
+            )
         check_fits(
-            inputs + logits,
-            f"model {self.name!r}: {what} of shape {self.input_shape} with its "
-            f"{self.num_classes:,}-class logits",
+            inputs + logits + kept,
+            f"model {self.name!r}: {what} of shape {self.input_shape} with its {held}",
             fix,
         )
 

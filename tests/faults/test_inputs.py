@@ -308,3 +308,40 @@ def test_a_mapping_of_many_unknown_layers_is_a_short_error():
     ) as err:
         autoprec.apply_policy(model, layers, mode="emulate")
     assert len(str(err.value)) < 200
+
+
+@pytest.mark.parametrize("command", ["search", "train"])
+def test_activations_beyond_the_machine_are_refused_before_training(capsys, monkeypatch,
+                                                                     command):  # fmt: skip
+    """Inputs and logits fit, the activations a training step keeps (measured on the meta
+    device) do not: one line before any step, on a machine of 32 MiB (tinycnn at 64x64 keeps
+    about 2.5 MB an example, 80 MB for a batch of 32)."""
+    monkeypatch.setattr(_memory, "machine_memory", lambda: 32 * 2**20)
+    args = [*SEARCH] if command == "search" else [*TRAIN, "--policy", "fp32.yaml"]
+    one_line_error(
+        run_cli(capsys, [*args, "--image-size", "64"]),
+        "a batch of 32 inputs of shape (1, 64, 64)",
+        "the activations a training step keeps for its backward",
+        "more than this machine's 32.0 MiB",
+        "lower image_size or the batch size (32)",
+    )
+
+
+def test_activation_bytes_grow_with_the_input_and_are_none_off_the_meta_device():
+    from autoprec.models import load_model
+
+    small = load_model("tinycnn", num_classes=10, image_size=16).activation_bytes()
+    large = load_model("tinycnn", num_classes=10, image_size=32).activation_bytes()
+    assert small and large and 3.5 * small < large < 4.5 * small  # 4x the pixels
+
+    class Routed(nn.Module):  # data-dependent: cannot run on the meta device
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x[x.sum(dim=1) > 0].nonzero().float().repeat(1, 2))
+
+    from autoprec.models.spec import ModelSpec
+
+    assert ModelSpec("routed", Routed(), (4,), "image-classification", 4).activation_bytes() is None
