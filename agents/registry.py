@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
+from autoprec._values import BUDGET_RANGE
 from autoprec.agents.base import Agent, BudgetSpent, Problem, SearchCallback, Session, StopSearch
 from autoprec.agents.result import SearchResult
 
@@ -90,8 +91,8 @@ def search(
     """
     if agent not in NAMES:
         raise ValueError(f"unknown agent {agent!r}; expected one of {', '.join(NAMES)}")
-    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
-        raise ValueError(f"budget must be an integer >= 1, got {budget!r}")
+    if (problem_text := BUDGET_RANGE.problem(budget)) is not None:
+        raise ValueError(f"budget must be {problem_text}")
     cls = agent_class(agent)
     parameters = inspect.signature(cls).parameters
     unknown = sorted(set(agent_kwargs) - set(parameters))

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 
 from autoprec._text import excerpt
+from autoprec.defaults import MAX_BUDGET
 
 
 def kind(value: object) -> str:
@@ -112,6 +113,8 @@ class NumberRange:
 
 #: Every command's seeds (search, train, verify): numpy's and Optuna's samplers take 32 bits.
 SEED_RANGE = NumberRange(integer=True, low=0, high=2**32 - 1, example="0")
+#: A search's budget of real evaluations, for the library's ``search`` and the command alike.
+BUDGET_RANGE = NumberRange(integer=True, low=1, high=MAX_BUDGET, example="12")
 
 
 def _shown(bound: float | None) -> str:

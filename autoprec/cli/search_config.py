@@ -14,13 +14,13 @@ import click
 
 from autoprec._datafile import DataFileError, parse_yaml, read_text
 from autoprec._text import EXCERPT_CHARS, excerpt
-from autoprec._values import INT32_MAX, SEED_RANGE, NumberRange, is_number, kind
-from autoprec.defaults import MAX_BATCH_SIZE, MAX_BUDGET, MAX_IMAGE_SIZE
+from autoprec._values import BUDGET_RANGE, INT32_MAX, SEED_RANGE, NumberRange, is_number, kind
+from autoprec.defaults import MAX_BATCH_SIZE, MAX_IMAGE_SIZE
 
 #: The range of each numeric option of ``search`` (and of its config file's keys); an option
 #: left at None (its default is computed) is not checked.
 OPTION_RANGES = {
-    "budget": NumberRange(integer=True, low=1, high=MAX_BUDGET, example="12"),
+    "budget": BUDGET_RANGE,
     "steps": NumberRange(integer=True, low=1, high=INT32_MAX, example="50"),
     "seed": SEED_RANGE,
     "num_classes": NumberRange(integer=True, low=1, high=INT32_MAX, example="10"),

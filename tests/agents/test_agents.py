@@ -122,8 +122,9 @@ def test_bad_arguments_raise_value_errors(make_problem):
         search(problem, budget=3, agent="sgd")
     with pytest.raises(ValueError, match="takes no option.*'population_size'"):
         search(problem, budget=3, agent="tpe", population_size=4)
-    with pytest.raises(ValueError, match="budget must be an integer >= 1"):
-        search(problem, budget=0, agent="random")
+    for budget in (0, 10**400, True):  # the command's range: no minutes of surrogate for 10**400
+        with pytest.raises(ValueError, match="budget must be an integer between 1 and 10,000"):
+            search(problem, budget=budget, agent="random")
     with pytest.raises(ValueError, match="fidelity must be a real one"):
         Problem(problem.evaluator, fidelity="surrogate")
     with pytest.raises(ValueError, match="unknown precision 'bf8'"):
