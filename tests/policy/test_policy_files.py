@@ -247,13 +247,14 @@ FIELD_ERRORS = [
         "init_scale_not_a_number",
         HEAD + "loss_scaling:\n  kind: static\n  init_scale: big\n",
         5,
-        "loss_scaling.init_scale must be a number > 0 and <= 3.4e+38, e.g. 32768; got 'big' (str)",
+        "loss_scaling.init_scale must be a number between 1.18e-38 and 3.4e+38, e.g. 32768; "
+        "got 'big' (str)",
     ),
     (
         "init_scale_yaml_exponent",
         HEAD + "loss_scaling: {init_scale: 1e5}\n",
         3,
-        "loss_scaling.init_scale must be a number > 0 and <= 3.4e+38, e.g. 32768; "
+        "loss_scaling.init_scale must be a number between 1.18e-38 and 3.4e+38, e.g. 32768; "
         "got '1e5' (str); it is a string (YAML 1.1 needs a dot and a signed exponent: 1.0e+5)",
     ),
     (
