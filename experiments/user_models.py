@@ -107,3 +107,13 @@ def convnext_tiny(num_classes: int = 10, image_size: int = 32) -> nn.Module:
     net = torchvision.models.convnext_tiny(num_classes=num_classes)
     net.autoprec_input_shape = (3, image_size, image_size)
     return net
+
+
+def efficientnet_b0(num_classes: int = 10, image_size: int = 32) -> nn.Module:
+    """timm's ``efficientnet_b0`` (depthwise convolutions, squeeze-and-excitation) at
+    ``image_size``."""
+    import timm
+
+    net = timm.create_model("efficientnet_b0", pretrained=False, num_classes=num_classes)
+    net.autoprec_input_shape = (3, image_size, image_size)
+    return net
