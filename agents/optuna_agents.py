@@ -159,13 +159,11 @@ class _OptunaAgent(Agent):
         try:
             while repeats < self.max_repeats:
                 if not self._budget_left(study, session.budget):
+                    self._drop_waiting(study, session)
                     return
                 if self.sampler is None:  # a proposal depends on the history only
                     study.sampler = self.make_sampler(session, self._seed(study, session))
-                with ask_lock(self.storage), warnings.catch_warnings():
-                    warnings.simplefilter("ignore", UserWarning)  # "heartbeat ... optimize"
-                    trial = study.ask(distributions)
-                    trial.set_user_attr(WORKER_ATTR, WORKER)
+                trial = self._ask(study, distributions)
                 evaluating = False
                 try:
                     states = (TrialState.COMPLETE, TrialState.RUNNING, TrialState.WAITING)
@@ -199,6 +197,34 @@ class _OptunaAgent(Agent):
             load_trials(study, session)  # what other workers finished meanwhile
 
     # --- helpers ------------------------------------------------------------------------------
+    def _ask(self, study: Any, distributions: dict[str, Any]) -> Any:
+        with ask_lock(self.storage), warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "heartbeat ... optimize"
+            trial = study.ask(distributions)
+            trial.set_user_attr(WORKER_ATTR, WORKER)
+        return trial
+
+    def _drop_waiting(self, study: Any, session: Session) -> None:
+        """Tell PRUNED (``duplicate_of``) each enqueued (WAITING) trial of a policy the study
+        already holds, as an ``ask`` would: workers starting together on a new study both
+        enqueue the baselines (Optuna's ``skip_if_exists`` is not atomic across processes),
+        and the copies left when the budget is spent would wait for a worker that never comes.
+        Other enqueued trials (baselines beyond the budget, retries) stay for a resumed search.
+        A trial is taken as ``ask`` takes it (WAITING to RUNNING, refused if another worker
+        was first), so it is dropped by one worker only."""
+        from optuna.trial import TrialState
+
+        storage = study._storage
+        for frozen in study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
+            policy = frozen.system_attrs.get("fixed_params") or {}
+            twin = self._duplicate(study, session, frozen.number, policy)
+            if twin is None or not storage.set_trial_state_values(
+                frozen._trial_id, TrialState.RUNNING
+            ):
+                continue
+            storage.set_trial_user_attr(frozen._trial_id, "duplicate_of", twin)
+            storage.set_trial_state_values(frozen._trial_id, TrialState.PRUNED)
+
     def _budget_left(self, study: Any, budget: int) -> bool:
         """Whether another trial may be asked, once the trials of dead workers are failed.
 

@@ -300,6 +300,39 @@ def test_tpe_resumes_a_study_without_repeating_it(make_problem, tmp_path):
     assert len(again.real_trials) == 6 and problem.evaluator.runs == 6  # nothing left to do
 
 
+def test_copies_of_enqueued_baselines_left_when_the_budget_is_spent_do_not_wait(
+    make_problem, tmp_path
+):
+    """Two workers starting together on a new study both enqueue the baselines (Optuna's
+    skip_if_exists is not atomic across processes); a copy left when the budget was spent
+    stayed WAITING in the PostgreSQL study of the CI run of 2026-12-05. The baselines beyond
+    the budget stay enqueued: a resumed search with a larger budget evaluates them."""
+    import optuna
+    from optuna.trial import TrialState
+
+    problem = make_problem()
+    storage = f"sqlite:///{tmp_path / 'optuna.db'}"
+    first = search(problem, budget=2, agent="tpe", storage=storage, study_name="s")
+    study = optuna.load_study(study_name="s", storage=storage)
+    waiting = [
+        t.system_attrs["fixed_params"] for t in study.get_trials(states=(TrialState.WAITING,))
+    ]
+    assert len(waiting) >= 1  # the baselines beyond the budget
+    for t in first.real_trials:  # the other worker's copies of the baselines it evaluated
+        study.enqueue_trial(t.policy)
+    again = search(problem, budget=2, agent="tpe", storage=storage, study_name="s")
+    assert len(again.real_trials) == 2 and problem.evaluator.runs == 2
+    trials = optuna.load_study(study_name="s", storage=storage).get_trials()
+    states = [t.state for t in trials]
+    assert (
+        states
+        == [TrialState.COMPLETE] * 2 + [TrialState.WAITING] * len(waiting) + [TrialState.PRUNED] * 2
+    )
+    assert [t.user_attrs["duplicate_of"] for t in trials[-2:]] == [0, 1]
+    resumed = search(problem, budget=2 + len(waiting), agent="tpe", storage=storage, study_name="s")
+    assert [t.policy for t in resumed.real_trials[2:]] == waiting
+
+
 def test_a_study_of_another_fidelity_is_refused(make_problem, tmp_path):
     storage = f"sqlite:///{tmp_path / 'optuna.db'}"
     search(make_problem(), budget=1, agent="tpe", storage=storage, study_name="s")
