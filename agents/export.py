@@ -13,7 +13,7 @@ import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from autoprec.policy_fields import loss_scaling_for
+from autoprec.policy.fields import loss_scaling_for
 from autoprec.precision import Precision
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -67,7 +67,7 @@ def export_policy(
         provenance: who made it; ``autoprec_version`` and ``created`` follow, then ``note``.
         note: what a user must know before adopting it (e.g. an emulate-mode search).
     """
-    import autoprec
+    from autoprec import __version__
     from autoprec.layers import model_fingerprint, tunable_layers
     from autoprec.policy import ModelInfo
 
@@ -83,7 +83,7 @@ def export_policy(
         metrics={k: float(v) for k, v in metrics.items() if math.isfinite(v)},
         provenance={
             **provenance,
-            "autoprec_version": autoprec.__version__,
+            "autoprec_version": __version__,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             **({"note": note} if note else {}),
         },

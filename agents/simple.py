@@ -10,7 +10,7 @@ from autoprec.agents.hand_rules import hand_rule_policies
 from autoprec.precision import Precision, parse_precision
 
 if TYPE_CHECKING:  # pragma: no cover
-    from autoprec.graph.grade import SensitivityTable
+    from autoprec.sensitivities.grade import SensitivityTable
 
 
 def baseline_policies(session: Session) -> list[tuple[str, dict[str, str]]]:

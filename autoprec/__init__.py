@@ -38,7 +38,7 @@ _EXPORTS = {
     "list_devices": "autoprec.hardware",
     "load_dataset": "autoprec.data",
     "load_model": "autoprec.models",
-    "load_policy": "autoprec.policy_io",
+    "load_policy": "autoprec.policy.io",
     "LossScaler": "autoprec.runtime",
     "Metrics": "autoprec.evaluate",
     "ReferenceDivergedError": "autoprec.evaluate",
@@ -52,11 +52,11 @@ _EXPORTS = {
     "Precision": "autoprec.precision",
     "PrecisionPolicy": "autoprec.policy",
     "quantize": "autoprec.kernels",
-    "save_policy": "autoprec.policy_io",
+    "save_policy": "autoprec.policy.io",
     "ScaledCast": "autoprec.kernels",
     "ScaledTensor": "autoprec.kernels",
-    "sensitivity": "autoprec.graph",
-    "SensitivityTable": "autoprec.graph",
+    "sensitivity": "autoprec.sensitivities",
+    "SensitivityTable": "autoprec.sensitivities",
     "VerificationInfo": "autoprec.policy",
     "VerifyConfig": "autoprec.verify",  # the function: autoprec.verify.verify
     "VerifyResult": "autoprec.verify",
@@ -76,12 +76,7 @@ if TYPE_CHECKING:  # pragma: no cover
         ReferenceDivergedError,
         RewardConfig,
     )
-    from autoprec.graph import (  # noqa: F401
-        LayerTable,
-        SensitivityTable,
-        analyze,
-        sensitivity,
-    )
+    from autoprec.graph import LayerTable, analyze  # noqa: F401
     from autoprec.hardware import (  # noqa: F401
         CostModel,
         DeviceSpec,
@@ -112,7 +107,7 @@ if TYPE_CHECKING:  # pragma: no cover
         PrecisionPolicy,
         VerificationInfo,
     )
-    from autoprec.policy_io import (  # noqa: F401
+    from autoprec.policy.io import (  # noqa: F401
         load_policy,
         save_policy,
     )
@@ -126,6 +121,7 @@ if TYPE_CHECKING:  # pragma: no cover
         PolicyHandle,
         apply_policy,
     )
+    from autoprec.sensitivities import SensitivityTable, sensitivity  # noqa: F401
     from autoprec.verify import (  # noqa: F401
         VerifyConfig,
         VerifyResult,

@@ -3,7 +3,7 @@ it is quoted in a message.
 
 :class:`NumberRange` is the one check of every numeric setting, so that ``true`` for a count,
 ``1.5`` for an integer and ``10**400`` are refused in one line naming the field wherever they
-are read (:mod:`autoprec.policy_fields` for policy files, :mod:`autoprec.cli.search_config` for
+are read (:mod:`autoprec.policy.fields` for policy files, :mod:`autoprec.cli.search_config` for
 search options and config keys).
 """
 

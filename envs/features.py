@@ -15,8 +15,8 @@ import numpy as np
 from autoprec.precision import Precision
 
 if TYPE_CHECKING:  # pragma: no cover
-    from autoprec.graph.grade import SensitivityTable
     from autoprec.graph.table import LayerRow
+    from autoprec.sensitivities.grade import SensitivityTable
 
 STATIC_FEATURES = (
     "log_forward_flops",

@@ -24,9 +24,9 @@ from autoprec.precision import PRECISION_NAMES, Precision, parse_precision
 
 if TYPE_CHECKING:  # pragma: no cover
     from autoprec.evaluate import Metrics
-    from autoprec.graph.grade import SensitivityTable
     from autoprec.graph.table import LayerRow, LayerTable
     from autoprec.hardware import DeviceSpec
+    from autoprec.sensitivities.grade import SensitivityTable
 
 #: The action set by default, in action order.
 DEFAULT_PRECISIONS: tuple[str, ...] = PRECISION_NAMES

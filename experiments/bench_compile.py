@@ -13,8 +13,8 @@ command in a fresh process, working folder and autoprec cache:
 
 The last columns compare the default with the faster of eager and compiled at the same cache
 state. Target: the default never more than 5% slower than that. `analyze` and the search's
-sensitivity phase work to a time budget (autoprec.graph.budget): where kernels are slower they
-sweep fewer layers in about the same time, so their rows say how many layers each swept.
+sensitivity phase work to a time budget (autoprec.sensitivities.budget): where kernels are slower
+they sweep fewer layers in about the same time, so their rows say how many layers each swept.
 
 The ViT-tiny is the user model ``bench_sensitivity:vit_tiny`` (timm's, patch 4, 32x32).
 

@@ -38,7 +38,7 @@ def describe_policy(path: Path, model: str) -> list[str]:
     from autoprec.graph import analyze_named
     from autoprec.hardware import get_device
     from autoprec.hardware.runnability import verdict_for_row
-    from autoprec.policy_io import load_policy
+    from autoprec.policy.io import load_policy
 
     policy = load_policy(path)
     device = get_device(policy.target.device)

@@ -4,7 +4,7 @@ At `autoprec analyze`'s default settings (4 fixed batches of 8, fp32 + 4 lower p
 fp32 warm-up steps, images at 32x32), with the disk cache off, for each model:
 
 - ``taylor`` (one pass) and ``auto`` at the default time budget (the sweep if it fits, else the
-  focused sweep, else the estimate; autoprec.graph.budget), and, for the models whose full
+  focused sweep, else the estimate; autoprec.sensitivities.budget), and, for the models whose full
   sweep is affordable (``--sweep-models``), the full ``sweep`` and the ``focused`` sweep at a
   budget too small for the sweep (``--focused-budget``), their quality the Spearman rank
   correlation of 1 - gradient cosine against the full sweep's, over layers per precision and
@@ -34,8 +34,8 @@ from benchlib import parse_args, provenance, publish
 from scipy.stats import spearmanr
 
 from autoprec.data import load_dataset_for
-from autoprec.graph import DEFAULT_TIME_BUDGET_S, sensitivity
 from autoprec.models import load_model
+from autoprec.sensitivities import DEFAULT_TIME_BUDGET_S, sensitivity
 
 HERE = Path(__file__).resolve().parent
 VIT = "bench_sensitivity:vit_tiny"

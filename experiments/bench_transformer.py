@@ -118,7 +118,7 @@ def compare(args: Args, target: str, policy_path: Path) -> dict:
     from autoprec.cli._setup import build_evaluator
     from autoprec.hardware import get_device
     from autoprec.hardware.runnability import check_runnable
-    from autoprec.policy_io import load_policy
+    from autoprec.policy.io import load_policy
 
     device = get_device(target)
     evaluator = build_evaluator(_options(args), device)

@@ -60,7 +60,7 @@ from autoprec.evaluate import Evaluator
 from autoprec.evaluate.config import digest
 from autoprec.evaluate.scoring import relative_loss_delta
 from autoprec.models import load_model
-from autoprec.policy_io import load_policy
+from autoprec.policy.io import load_policy
 from autoprec.verify import VerifyConfig, run_arm
 
 BASE_FIDELITIES = ["surrogate", "surrogate+12", "short", "full"]

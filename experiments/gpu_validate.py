@@ -398,7 +398,7 @@ class _SurrogateOnly:
 def searched_policy(bench: Bench, args: Args, device: Any, cost_spec: Any) -> tuple[Any, str]:
     """The policy file, else the greedy agent's best on the surrogate; and how it was made."""
     if bench.policy_file is not None:
-        from autoprec.policy_io import load_policy
+        from autoprec.policy.io import load_policy
 
         path = bench.policy_file.resolve()
         shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path

@@ -50,8 +50,8 @@ from autoprec.data import load_dataset_for
 from autoprec.evaluate import Evaluator
 from autoprec.evaluate.scoring import relative_loss_delta
 from autoprec.models import load_model
-from autoprec.policy_io import load_policy
-from autoprec.train import TrainDivergedError
+from autoprec.policy.io import load_policy
+from autoprec.training.run import TrainDivergedError
 from autoprec.verify import VerifyConfig, run_arm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))

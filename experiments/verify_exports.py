@@ -26,7 +26,7 @@ from typing import Any
 
 from benchlib import DOCS, invocation, md_table, parse_args, provenance, publish
 
-from autoprec.policy_io import load_policy, save_policy
+from autoprec.policy.io import load_policy, save_policy
 from autoprec.verify import WARM_START_LR, VerifyConfig, verify
 
 

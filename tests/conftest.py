@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
 import pytest
+from disk_fixtures import fill, tmpfs
 
 
 @pytest.fixture(autouse=True)
@@ -26,3 +30,34 @@ def tracked_search_dir(tmp_path, monkeypatch, module_cache):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.chdir(tmp_path)
     return tmp_path
+
+
+@pytest.fixture
+def full_disk(tmp_path) -> Iterator[Callable[[], Path]]:
+    """A folder on a 1 MiB tmpfs and a function that fills it up; skipped where a tmpfs cannot
+    be mounted (it needs root)."""
+    with tmpfs(tmp_path / "tmpfs") as folder:
+        yield lambda: fill(folder)
+
+
+#: Library files this long are reported at the end of a run (a report, not a failure: the
+#: layers are what tests/test_architecture.py enforces).
+LONG_FILE_LINES = 450
+
+
+def pytest_terminal_summary(terminalreporter):
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    folders = [root / "autoprec", root / "agents", root / "envs", root / "kernels"]
+    long = sorted(
+        (n, str(p.relative_to(root)))
+        for folder in folders
+        for p in folder.rglob("*.py")
+        if (n := len(p.read_text().splitlines())) >= LONG_FILE_LINES
+    )
+    if long:
+        terminalreporter.write_line(
+            f"library files of {LONG_FILE_LINES} lines or more: "
+            + ", ".join(f"{path} ({n})" for n, path in reversed(long))
+        )

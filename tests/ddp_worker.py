@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autoprec.distributed import leave_group
 from autoprec.runtime import apply_policy
+from autoprec.training.distributed import leave_group
 
 
 def train(rank: int, world: int, init_file: str, out_dir: str) -> None:

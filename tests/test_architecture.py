@@ -1,10 +1,13 @@
-"""The shape of the code: no import circles, no private names across modules, small files, and
-the light searches without the RL stack. Read from the source with ``ast``, not by importing."""
+"""The shape of the code: imports point down docs/architecture.md's table of layers, no import
+circles, no private names across modules, no library module loose in ``autoprec/`` but the
+facts and the entry points, no experiment importing the CLI's internals, and the light searches
+without the RL stack. Read from the source with ``ast``, not by importing."""
 
 from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +22,7 @@ PACKAGE_DIRS = {
     "autoprec.agents": ROOT / "agents",
     "autoprec.kernels": ROOT / "kernels",
 }
-MAX_LINES = 450
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
 
 
 def _modules() -> dict[str, Path]:
@@ -148,13 +151,83 @@ def test_no_module_imports_another_modules_private_names():
     assert not offences, "\n".join(offences)
 
 
-def test_every_library_file_is_under_the_line_limit():
-    long = {
-        str(p.relative_to(ROOT)): n
-        for p in MODULES.values()
-        if (n := len(p.read_text().splitlines())) >= MAX_LINES
-    }
-    assert not long, f"files of {MAX_LINES} lines or more: {long}"
+def _layers() -> list[tuple[str, list[str]]]:
+    """``(layer, [package or module, ...])`` per row of docs/architecture.md's table, bottom
+    first."""
+    text = ARCHITECTURE.read_text()
+    table = text[text.index("## Layers") :].split("\n## ", 1)[0]
+    rows = []
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 3 or not cells[1].startswith("`autoprec"):
+            continue
+        rows.append((cells[0], re.findall(r"`(autoprec[\w.]*)`", cells[1])))
+    return rows
+
+
+def _layer_of(module: str, layers: list[tuple[str, list[str]]]) -> int | None:
+    """The row of the longest package name that is ``module`` or one of its parents."""
+    best: tuple[int, int] | None = None
+    for i, (_, names) in enumerate(layers):
+        for name in names:
+            if module == name or module.startswith(name + "."):
+                if best is None or len(name) > best[1]:
+                    best = (i, len(name))
+    return None if best is None else best[0]
+
+
+def test_the_layer_table_is_read():
+    layers = _layers()
+    names = [layer for layer, _ in layers]
+    assert names[0] == "facts" and names[-1] == "cli" and "runtime" in names
+    assert _layer_of("autoprec.runtime.apply", layers) == names.index("runtime")
+    assert _layer_of("autoprec.sensitivities.grade", layers) > names.index("runtime")
+
+
+def test_every_module_is_in_a_layer_and_imports_point_down():
+    layers = _layers()
+    names = [layer for layer, _ in layers]
+    unplaced = [m for m in MODULES if _layer_of(m, layers) is None]
+    assert not unplaced, f"modules in no row of {ARCHITECTURE.name}'s table: {unplaced}"
+    upward = []
+    for module, path in MODULES.items():
+        own = _layer_of(module, layers)
+        for target, name, line in _imports(ast.parse(path.read_text()), module):
+            if name is not None and f"{target}.{name}" in MODULES:
+                target = f"{target}.{name}"
+            elif target not in MODULES or (target == "autoprec" and name == "__version__"):
+                continue
+            theirs = _layer_of(target, layers)
+            if theirs is not None and own is not None and theirs > own:
+                upward.append(
+                    f"{path.relative_to(ROOT)}:{line} ({names[own]}) imports {target} "
+                    f"({names[theirs]})"
+                )
+    assert not upward, "imports pointing up the layers:\n" + "\n".join(upward)
+
+
+def test_no_library_module_is_loose_but_the_facts_and_the_entry_points():
+    layers = dict(_layers())
+    allowed = {*layers["facts"], "autoprec", "autoprec.__main__"}
+    loose = [
+        m for m, p in MODULES.items() if p.parent == PACKAGE_DIRS["autoprec"] and m not in allowed
+    ]
+    assert not loose, f"modules loose in autoprec/ (put them in a package): {loose}"
+
+
+def test_no_experiment_imports_the_cli():
+    offences = []
+    for path in sorted((ROOT / "experiments").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            mods = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                mods = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            if any(m == "autoprec.cli" or m.startswith("autoprec.cli.") for m in mods):
+                offences.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not offences, "experiments call the library, not the CLI: " + ", ".join(offences)
 
 
 @pytest.mark.parametrize("agent", ["random", "tpe"])

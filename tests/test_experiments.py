@@ -393,7 +393,7 @@ def test_verify_exports_quick(tmp_path):
     assert [r["arm"] for r in table][:2] == ["policy", "fp32"] and table[0]["model"] == "tinycnn"
     assert table[0]["verdict"] in ("within", "outside")
     assert "autoprec search --model tinycnn" in section
-    from autoprec.policy_io import load_policy
+    from autoprec.policy.io import load_policy
 
     verified = load_policy(tmp_path / "w" / "tinycnn" / "best_policy.yaml").verification
     assert verified is not None and verified.seeds == (0, 1) and verified.steps == 20

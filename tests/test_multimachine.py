@@ -24,9 +24,9 @@ import pytest
 from services import mlflow_server, postgres_url  # noqa: F401 - fixtures
 
 from autoprec.cli import main
-from autoprec.compare import compare_searches
-from autoprec.policy_io import load_policy
+from autoprec.policy.io import load_policy
 from autoprec.tracking import SearchTracker
+from autoprec.tracking.compare import compare_searches
 
 pytestmark = pytest.mark.services
 

@@ -22,10 +22,10 @@ runs for it without a measurable loss. The models read ``(3, 8, 8)`` images of t
   largest value (about 69) becomes 448, which leaves a grid step of about 5 near 64 for a
   signal of standard deviation 0.6; bf16's step there is 0.5.
 
-That each is a trap is measured, not assumed: ``tests/test_traps.py`` trains each from scratch
-with the trap layer lowered, at its narrowest safe precision, and with only the other layers
-lowered, and ``experiments/traps.py`` measures the same at the search's short fidelity and over
-longer training, and counts how often the search keeps the trap layers safe over ten seeds.
+That each is a trap is measured, not assumed: ``tests/sensitivities/test_traps.py`` trains each
+from scratch with the trap layer lowered, at its narrowest safe precision, and with only the other
+layers lowered, and ``experiments/traps.py`` measures the same at the search's short fidelity and
+over longer training, and counts how often the search keeps the trap layers safe over ten seeds.
 
 The issue also names a large-class classifier head and a layer whose gradients underflow.
 Neither is a trap here: no offline dataset has enough examples for 1000+ classes (``teacher``

@@ -11,7 +11,7 @@ from autoprec._text import excerpt
 from autoprec.cache import write_output
 from autoprec.cli._setup import SMALL_IMAGE, train_shape_option
 from autoprec.defaults import DEFAULT_DATASET
-from autoprec.graph.budget import DEFAULT_TIME_BUDGET_S, check_budget
+from autoprec.sensitivities.budget import DEFAULT_TIME_BUDGET_S, check_budget
 
 
 class AnalyzeOptionError(ValueError):
@@ -204,9 +204,9 @@ def analyze(
     from autoprec.cli.sensitivity_progress import sensitivity_progress
     from autoprec.data import load_dataset_for
     from autoprec.graph import analyze as analyze_model
-    from autoprec.graph import sensitivity
     from autoprec.hardware.runnability import describe
     from autoprec.models import load_model, model_task
+    from autoprec.sensitivities import sensitivity
 
     device, _ = resolve_target(target)
     if image_size is None and model_task(model_name) in (None, "image-classification"):

@@ -71,8 +71,14 @@ def compare(
     """Compare the searches logged to MLflow: one row per search."""
     from autoprec.cache import csv_text, write_output
     from autoprec.cli._setup import check_writable
-    from autoprec.compare import COLUMNS, CompareError, compare_searches, plot_fronts, sort_rows
     from autoprec.tracking import resolve_tracking_uri
+    from autoprec.tracking.compare import (
+        COLUMNS,
+        CompareError,
+        compare_searches,
+        plot_fronts,
+        sort_rows,
+    )
 
     # CompareError (a ValueError) becomes one line and exit status 2 in autoprec.cli.main
     for option, path in (("--csv", csv_path), ("--plot", plot_path)):

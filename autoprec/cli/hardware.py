@@ -169,7 +169,7 @@ def estimate(
     OPTION_RANGES["train_batch_size"].check(batch_size, "--batch-size")
     from autoprec.graph import analyze_named
     from autoprec.hardware import CostModel
-    from autoprec.policy_io import load_policy
+    from autoprec.policy.io import load_policy
 
     cost_model = CostModel(device)  # an unknown device or precision fails before the analysis
     if precision is not None:

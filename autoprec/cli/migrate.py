@@ -68,7 +68,7 @@ def migrate(**o: Any) -> None:
 
 def _check_outputs(*paths: Path) -> None:
     """Fail before any work if an output cannot be written (or has a wrong suffix)."""
-    from autoprec.policy_io import JSON_SUFFIXES, YAML_SUFFIXES
+    from autoprec.policy.io import JSON_SUFFIXES, YAML_SUFFIXES
 
     if paths[0].suffix.lower() not in YAML_SUFFIXES + JSON_SUFFIXES:
         raise MigrateSetupError(
@@ -121,7 +121,7 @@ def _write(result: Any, out: Path, plan: Path) -> None:
     import yaml
 
     from autoprec.cache import write_output
-    from autoprec.policy_io import format_policy, policy_format
+    from autoprec.policy.io import format_policy, policy_format
 
     policy = format_policy(result.policy, policy_format(out))
     write_output(out, lambda fh: fh.write(policy), what="policy")

@@ -225,7 +225,7 @@ class _SearchRun:
         from autoprec.agents.optuna_study import check_storage
         from autoprec.cache import cache_dir
         from autoprec.policy import PolicyError
-        from autoprec.policy_io import policy_format
+        from autoprec.policy.io import policy_format
         from autoprec.tracking import resolve_tracking_uri
 
         try:

@@ -77,7 +77,7 @@ class Exporter:
             SearchExportError: a file cannot be written (the best policy is kept elsewhere).
         """
         from autoprec.cache import keep_text
-        from autoprec.policy_io import format_policy, policy_format
+        from autoprec.policy.io import format_policy, policy_format
 
         out = self.out
         try:
@@ -112,7 +112,7 @@ class Exporter:
         from rich.markup import escape  # a path holding "[x]" is text, not rich markup
 
         from autoprec.cache import write_csv
-        from autoprec.policy_io import save_policy
+        from autoprec.policy.io import save_policy
 
         out = self.out
         trials_path = (
@@ -186,7 +186,7 @@ class Exporter:
         from rich.markup import escape
 
         from autoprec.cache import write_csv
-        from autoprec.policy_io import save_policy
+        from autoprec.policy.io import save_policy
 
         rows = []
         for i, trial in enumerate(result.pareto):

@@ -27,7 +27,7 @@ import click
 from autoprec.cli._setup import model_shape_options
 from autoprec.cli.mlflow_options import experiment_option, no_mlflow_option, tracking_uri_option
 from autoprec.defaults import DEFAULT_DATASET, LANGUAGE_MODEL_DATASET
-from autoprec.policy_fields import COMPILED, TARGET_MODES
+from autoprec.policy.fields import COMPILED, TARGET_MODES
 
 
 @click.command()
@@ -107,11 +107,11 @@ def train(
     from autoprec.cli.sensitivity_progress import sensitivity_progress
     from autoprec.data import load_dataset_for
     from autoprec.models import load_model
-    from autoprec.policy_io import load_policy
+    from autoprec.policy.io import load_policy
     from autoprec.tracking import TrainTracker
-    from autoprec.train import dist_env
-    from autoprec.train import train as run
-    from autoprec.train_checks import TrainConfigError, check_seed
+    from autoprec.training.checks import TrainConfigError, check_seed
+    from autoprec.training.run import dist_env
+    from autoprec.training.run import train as run
 
     with terminate_as_interrupt():  # SIGTERM is Ctrl-C; in training, both wait for a step
         check_seed(seed)
@@ -232,7 +232,7 @@ def _report(result: Any) -> None:
 
 def _interrupted(err: KeyboardInterrupt, checkpoint_dir: str | None) -> str:
     """The one line an interrupted training prints."""
-    from autoprec.train import CHECKPOINT_NAME, TrainInterrupted
+    from autoprec.training.run import CHECKPOINT_NAME, TrainInterrupted
 
     if isinstance(err, TrainInterrupted):
         where = f"interrupted at step {err.step} of {err.total}"

@@ -10,7 +10,7 @@ the policy file with a ``verification`` section (in place unless ``--out``), the
 as a PNG (``<out stem>.curves.png`` unless ``--plot``), both atomically; logged to MLflow unless
 ``--no-mlflow``: a parent run with a nested run per arm and seed.
 
-Each finished run is kept in the cache as it finishes (:mod:`autoprec.verify_store`): SIGTERM or
+Each finished run is kept in the cache as it finishes (:mod:`autoprec.verify.store`): SIGTERM or
 Ctrl-C stops the run in training at its next step, prints one line naming the runs finished and
 exits 143 or 130; the same command resumes, training only the runs that did not finish. A
 progress line on stderr shows each run's step and the time left. The table and the verdict are
@@ -35,7 +35,7 @@ import click
 from autoprec.cli._setup import file_option, model_shape_options
 from autoprec.cli.mlflow_options import experiment_option, no_mlflow_option, tracking_uri_option
 from autoprec.evaluate.reward import DEFAULT_TOLERANCE
-from autoprec.policy_fields import TARGET_MODES
+from autoprec.policy.fields import TARGET_MODES
 from autoprec.verify import DEFAULT_ARMS, WARM_START_LR, VerifyConfig, VerifyError
 
 #: ``autoprec search --verify``: the steps and seeds (from ``--seed``) of its verification.
@@ -178,7 +178,7 @@ def run_verification(
     from autoprec.cli.sensitivity_progress import sensitivity_progress
     from autoprec.hardware import get_device
     from autoprec.models import load_model
-    from autoprec.policy_io import load_policy, policy_format
+    from autoprec.policy.io import load_policy, policy_format
     from autoprec.tracking import VerifyTracker
     from autoprec.verify import verify as run
 
@@ -281,7 +281,7 @@ def _write_policy(policy: Any, out: Path) -> str | None:
     """Write the verified ``policy`` to ``out``; None, or the one-line error of a write that
     failed: its text is then kept in the cache's recovered folder (else printed on stdout)."""
     from autoprec.cache import keep_text, reason
-    from autoprec.policy_io import format_policy, policy_format, save_policy
+    from autoprec.policy.io import format_policy, policy_format, save_policy
 
     try:
         save_policy(policy, out)
@@ -399,7 +399,7 @@ class _Echo:
         import signal
 
         from autoprec.cache import cache_dir
-        from autoprec.verify_store import STORE_FOLDER
+        from autoprec.verify.store import STORE_FOLDER
 
         signame = signame or "SIGINT"
         total = (1 + len(self.config.arms)) * len(self.config.seeds)

@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from autoprec.pretrain import BACKOFF_SETTINGS
+from autoprec.training.pretrain import BACKOFF_SETTINGS
 
 FIDELITIES = ("short", "full", "surrogate")
 SHORT_STEPS = 10

@@ -291,16 +291,16 @@ class Evaluator:
     ) -> Surrogate:
         """The surrogate, built on first use and fitted on :attr:`surrogate_pairs`.
 
-        Its sensitivity table comes from :func:`autoprec.graph.grade.sensitivity`, measured on
-        this evaluator's fp32 warm start (the very weights every evaluation fine-tunes) with
+        Its sensitivity table comes from :func:`autoprec.sensitivities.grade.sensitivity`, measured
+        on this evaluator's fp32 warm start (the very weights every evaluation fine-tunes) with
         its seed, on 2 batches of 32, ``cache=True`` (on disk under ``$AUTOPREC_CACHE_DIR``),
         ``method="auto"``: the full sweep (exact one-layer measurements) when it fits the
         default time budget, else the focused sweep, else the Taylor estimate
-        (:mod:`autoprec.graph.budget`). ``progress`` and ``on_plan`` are handed to it when the
-        table is computed (see there).
+        (:mod:`autoprec.sensitivities.budget`). ``progress`` and ``on_plan`` are handed to it when
+        the table is computed (see there).
         """
         if self._surrogate is None:
-            from autoprec.graph.grade import sensitivity
+            from autoprec.sensitivities.grade import sensitivity
 
             table = sensitivity(
                 self.spec,

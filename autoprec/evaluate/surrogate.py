@@ -11,7 +11,7 @@ with ``share_p`` the share of the table's layers at precision ``p``, one shared 
 per precision and one term ``b[l, p]`` per layer and precision (fp32 terms are 0, so uniform
 fp32, the reference itself, always predicts exactly 0). It is a Bayesian linear regression:
 
-- prior means from a :class:`~autoprec.graph.grade.SensitivityTable` ``s[l, p]`` (the signed
+- prior means from a :class:`~autoprec.sensitivities.grade.SensitivityTable` ``s[l, p]`` (the signed
   one-layer loss change; a non-finite entry, a layer that diverged on its own, counts as 10):
   ``a[p] = sum_l s[l, p]`` (the uniform policy at ``p`` is predicted as the sum of its
   one-layer changes) and ``b[l, p] = 0``. The table's per-layer deviations are not used as
@@ -45,7 +45,7 @@ import numpy as np
 from autoprec.precision import Precision, parse_precision
 
 if TYPE_CHECKING:
-    from autoprec.graph.grade import Sensitivity
+    from autoprec.sensitivities.grade import Sensitivity
 
 NONFINITE_LOSS_DELTA = 10.0  # loss delta given to a table entry that is inf or nan
 SHARED_PRIOR_RATIO = 30.0  # prior sd of a[p] / largest tau

@@ -7,9 +7,9 @@ fine-tuning variant of one model (another batch order, another step count) start
 same weights.
 
 A warm start must learn, or every evaluation fine-tunes noise: it is trained by
-:func:`autoprec.pretrain.train_fp32`, which backs off to lower rates until the model learns;
-the rate that learnt is saved with the weights, and fine-tuning scales its own rate by the same
-factor. A model that learns at no rate is a one-line error.
+:func:`autoprec.training.pretrain.train_fp32`, which backs off to lower rates until the model
+learns; the rate that learnt is saved with the weights, and fine-tuning scales its own rate by the
+same factor. A model that learns at no rate is a one-line error.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from torch import nn
 
 from autoprec.evaluate._store import load_state, save_state_atomic
 from autoprec.evaluate.config import EvaluatorConfig, digest
-from autoprec.pretrain import Attempt, WarmStartError, backoff_note, train_fp32
+from autoprec.training.pretrain import Attempt, WarmStartError, backoff_note, train_fp32
 
 __all__ = ["Attempt", "WarmStart", "WarmStartError", "weights_digest"]
 

@@ -1,13 +1,11 @@
-"""The precision inference engine: layer analysis and per-layer sensitivity.
+"""The layer analysis: the first half of the precision inference engine (the second half,
+the sensitivities, is autoprec.sensitivities).
 
 - :mod:`.table`: ``LayerTable``/``LayerRow``, plain data (no torch).
 - :mod:`.cache`: tables on disk, under keys computed without torch.
 - :mod:`.named`: ``analyze_named`` reads a cached table by model name without torch.
 - :mod:`.analyze`: ``analyze(spec, batch) -> LayerTable`` (FLOPs, bytes, position, geometry).
 - :mod:`.trace`: the modes that record one training step for it (layers found by parameter).
-- :mod:`.grade`: ``sensitivity(spec, data, formats) -> SensitivityTable``.
-- :mod:`.measure`: the passes behind it (the sweep's, the Taylor estimate's).
-- :mod:`.budget`: each method's predicted cost, and the choice of one within a time budget.
 
 The table and the cache load with the package; the names that need torch load on first use, so
 ``from autoprec.graph.table import LayerTable`` does not import torch.
@@ -25,33 +23,19 @@ from autoprec.graph.table import FLOP_UNIT, LayerRow, LayerTable
 
 if TYPE_CHECKING:  # pragma: no cover
     from autoprec.graph.analyze import AnalysisError, analyze
-    from autoprec.graph.budget import DEFAULT_TIME_BUDGET_S, METHODS, SensitivityPlan
-    from autoprec.graph.grade import Sensitivity, SensitivityTable, sensitivity
 
 _LAZY = {
     "AnalysisError": "autoprec.graph.analyze",
     "analyze": "autoprec.graph.analyze",
-    "DEFAULT_TIME_BUDGET_S": "autoprec.graph.budget",
-    "METHODS": "autoprec.graph.budget",
-    "SensitivityPlan": "autoprec.graph.budget",
-    "Sensitivity": "autoprec.graph.grade",
-    "SensitivityTable": "autoprec.graph.grade",
-    "sensitivity": "autoprec.graph.grade",
 }
 
 __all__ = [
-    "DEFAULT_TIME_BUDGET_S",
     "FLOP_UNIT",
     "AnalysisError",
-    "METHODS",
     "LayerRow",
     "LayerTable",
-    "Sensitivity",
-    "SensitivityPlan",
-    "SensitivityTable",
     "analyze",
     "analyze_named",
-    "sensitivity",
 ]
 
 

@@ -116,7 +116,7 @@ def calibrate(
     """
     import torch
 
-    from autoprec.policy_fields import NumberRange
+    from autoprec.policy.fields import NumberRange
 
     NumberRange(integer=True, low=1, high=10_000, example="5").check(repeats, "repeats")
     if size is not None:

@@ -438,7 +438,7 @@ def _precision_lookup(policy: Any) -> Any:
 def _unscales(policy: Any, precisions: Callable[[], Mapping[str, Precision]]) -> bool:
     """Whether a step under ``policy`` unscales its gradients (see the module docstring)."""
     from autoprec.policy import PrecisionPolicy
-    from autoprec.policy_fields import loss_scaling_for
+    from autoprec.policy.fields import loss_scaling_for
 
     fixed = isinstance(policy, PrecisionPolicy)
     scaling = policy.loss_scaling if fixed else loss_scaling_for(precisions())

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from autoprec.hardware.database import DeviceSpec, get_device
 from autoprec.policy import LossScalingConfig, PrecisionPolicy, TargetInfo
-from autoprec.policy_fields import loss_scaling_for
+from autoprec.policy.fields import loss_scaling_for
 from autoprec.precision import Precision, parse_precision
 
 if TYPE_CHECKING:

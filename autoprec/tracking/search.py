@@ -285,7 +285,7 @@ class SearchTracker:
         return files
 
     def _parent_params(self) -> dict[str, Any]:
-        import autoprec
+        from autoprec import __version__
 
         try:
             import torch
@@ -302,7 +302,7 @@ class SearchTracker:
             "seed": self.seed,
             "fidelity": self.fidelity,
             **self.reward.params(),
-            "autoprec_version": autoprec.__version__,
+            "autoprec_version": __version__,
             "torch_version": torch_version,
         }
         params.update(self.extra_params)

@@ -10,8 +10,8 @@ import pytest
 
 from autoprec.evaluate import Evaluator
 from autoprec.evaluate.surrogate import SHARED_PRIOR_RATIO, Surrogate
-from autoprec.graph.grade import SensitivityTable
 from autoprec.policy import PrecisionPolicy
+from autoprec.sensitivities.grade import SensitivityTable
 
 SMALL = {"steps": 6, "warm_start_steps": 30}
 TARGET = "a100-40gb-sxm"

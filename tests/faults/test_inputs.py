@@ -19,7 +19,7 @@ import autoprec
 from autoprec import _memory
 from autoprec.layers import model_fingerprint
 from autoprec.policy import PolicyMismatchError, PrecisionPolicy
-from autoprec.policy_io import format_policy, load_policy
+from autoprec.policy.io import format_policy, load_policy
 
 MEMORY = 16 * 2**30  # the machine every size case is checked against
 SEARCH = ["search", "--model", "tinycnn", "--target", "h100-sxm", "--no-mlflow", "--steps", "2",

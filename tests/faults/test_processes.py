@@ -219,7 +219,7 @@ def test_off_a_terminal_the_search_prints_each_evaluation_and_the_time_left(monk
 def test_fp32_training_reports_every_step_of_every_attempt():
     import torch
 
-    from autoprec.pretrain import train_fp32
+    from autoprec.training.pretrain import train_fp32
 
     model = torch.nn.Linear(4, 2)
     data = [(torch.randn(8, 4), torch.randint(0, 2, (8,)))]

@@ -20,10 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 from faults.sweep import Outcome, one_line_error, run_cli
-from test_damaged_state import full_disk  # noqa: F401 - the fixture: a real full tmpfs
 
 from autoprec.policy import PrecisionPolicy
-from autoprec.policy_io import load_policy, save_policy
+from autoprec.policy.io import load_policy, save_policy
 
 FAST = ["--model", "tinycnn", "--dataset", "digits", "--batch-size", "32"]
 VERIFY = [*FAST, "--steps", "2", "--arms", "fp32", "--target", "h100-sxm", "--no-mlflow"]
@@ -109,9 +108,9 @@ def test_a_checkpoint_folder_on_a_full_disk_fails_before_training(
 def test_a_checkpoint_write_that_fails_mid_run_is_one_warning_and_training_goes_on(
     tmp_path, capsys, monkeypatch
 ):
-    import autoprec.checkpoint
+    import autoprec.training.checkpoint
 
-    real, calls = autoprec.checkpoint.write_atomic, []
+    real, calls = autoprec.training.checkpoint.write_atomic, []
 
     def full_after_the_first(path, *args, **kwargs):
         calls.append(path)
@@ -119,7 +118,7 @@ def test_a_checkpoint_write_that_fails_mid_run_is_one_warning_and_training_goes_
             raise _enospc(path)
         real(path, *args, **kwargs)
 
-    monkeypatch.setattr(autoprec.checkpoint, "write_atomic", full_after_the_first)
+    monkeypatch.setattr(autoprec.training.checkpoint, "write_atomic", full_after_the_first)
     folder = tmp_path / "ckpt"
     args = ["--steps", "4", "--checkpoint-dir", folder, "--checkpoint-every", "1"]
     outcome = run_cli(capsys, _train(_policy(tmp_path), *args))
@@ -222,7 +221,7 @@ def _count_runs(monkeypatch, interrupt_at: int | None = None) -> list[tuple[str,
     """Count the runs :func:`verify` trains; the ``interrupt_at``-th is stopped as SIGTERM
     stops it (:class:`TrainInterrupted` at a step boundary)."""
     import autoprec.verify
-    from autoprec.train import TrainInterrupted
+    from autoprec.training.run import TrainInterrupted
 
     real, trained = autoprec.verify.run_arm, []
 
@@ -303,9 +302,9 @@ def test_sigterm_says_what_finished_and_exits_143(tmp_path):
 def test_a_policy_whose_loss_ends_nan_is_penalised_as_diverged(tmp_path, capsys, monkeypatch):
     """The policy's last losses are NaN (its weights still finite): a diverged run, outside the
     tolerance, written; not a crash writing the verdict."""
-    import autoprec.train
+    import autoprec.training.run
 
-    real = autoprec.train.train
+    real = autoprec.training.run.train
 
     def nan_at_the_end(spec, data, policy, **kwargs):
         done = real(spec, data, policy, **kwargs)
@@ -313,7 +312,7 @@ def test_a_policy_whose_loss_ends_nan_is_penalised_as_diverged(tmp_path, capsys,
             return dataclasses.replace(done, train_loss=[*done.train_loss[:-1], float("nan")])
         return done
 
-    monkeypatch.setattr(autoprec.train, "train", nan_at_the_end)
+    monkeypatch.setattr(autoprec.training.run, "train", nan_at_the_end)
     out = tmp_path / "out.yaml"
     outcome = run_cli(capsys, ["verify", _policy(tmp_path), *VERIFY, "--seeds", "1", "--out", out])
     assert outcome.status == 0, outcome.err
@@ -326,14 +325,14 @@ def test_a_policy_whose_loss_ends_nan_is_penalised_as_diverged(tmp_path, capsys,
 def test_a_full_disk_for_the_policy_prints_the_verdict_and_keeps_the_policy(
     tmp_path, capsys, monkeypatch
 ):
-    import autoprec.policy_io
+    import autoprec.policy.io
 
     out = tmp_path / "out.yaml"
 
     def full(policy, path):
         raise _enospc(path)
 
-    monkeypatch.setattr(autoprec.policy_io, "save_policy", full)
+    monkeypatch.setattr(autoprec.policy.io, "save_policy", full)
     outcome = run_cli(capsys, ["verify", _policy(tmp_path), *VERIFY, "--seeds", "1", "--out", out])
     line = _error(outcome, f"cannot write {out}: No space left on device")
     assert "verdict: within the tolerance" in outcome.out  # printed before any file
@@ -372,7 +371,7 @@ def test_verify_shows_each_runs_progress_with_the_time_left(tmp_path, capsys, mo
 
 def test_a_resumed_verification_logs_the_kept_runs_curves_to_mlflow(tmp_path, capsys, monkeypatch):
     from mlflow import MlflowClient
-    from test_tracking import parents_and_children, runs_of
+    from mlflow_runs import parents_and_children, runs_of
 
     monkeypatch.delenv("AUTOPREC_NO_MLFLOW")
     policy, uri = _policy(tmp_path), f"sqlite:///{tmp_path}/mlflow.db"

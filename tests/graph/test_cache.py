@@ -93,7 +93,7 @@ def test_table_cost_model_and_cache_import_without_torch():
 
 def test_analyze_stays_the_function_whatever_is_imported_first():
     out = _python(
-        "from autoprec.graph.grade import sensitivity\n"
+        "from autoprec.sensitivities.grade import sensitivity\n"
         "import autoprec.graph.analyze\n"
         "from autoprec.graph import analyze, LayerTable\n"
         "import autoprec\n"

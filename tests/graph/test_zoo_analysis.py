@@ -9,8 +9,9 @@ import pytest
 
 from autoprec.cli import main
 from autoprec.data import load_dataset_for
-from autoprec.graph import analyze, sensitivity
+from autoprec.graph import analyze
 from autoprec.models import load_model
+from autoprec.sensitivities import sensitivity
 
 
 def test_tinycnn_and_resnet18_tables():

@@ -20,7 +20,7 @@ from autoprec._datafile import MAX_DEPTH, MAX_FILE_BYTES
 from autoprec._text import EXCERPT_CHARS, excerpt
 from autoprec.cli import main
 from autoprec.policy import PolicyError, PrecisionPolicy
-from autoprec.policy_io import load_policy
+from autoprec.policy.io import load_policy
 
 HEAD = "autoprec_policy: 1\ndefault: bf16\n"
 JSON_HEAD = '{"autoprec_policy": 1, "default": "bf16", '

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from autoprec.policy import LossScalingConfig, PolicyError, PrecisionPolicy
-from autoprec.policy_io import format_policy, load_policy, save_policy
+from autoprec.policy.io import format_policy, load_policy, save_policy
 from autoprec.precision import Precision
 
 FULL = PrecisionPolicy(

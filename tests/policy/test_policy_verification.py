@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from autoprec.policy import PolicyError, PrecisionPolicy, VerificationInfo
-from autoprec.policy_io import format_policy, load_policy, save_policy
+from autoprec.policy.io import format_policy, load_policy, save_policy
 
 SECTION = {
     "verdict": "outside",

@@ -18,7 +18,7 @@ from autoprec.data import load_dataset_for
 from autoprec.hardware.defaults import amp_policy
 from autoprec.layers import tunable_layers
 from autoprec.runtime import NotCompilableError, apply_policy, compile_policy
-from autoprec.train import PolicyMismatchError, train
+from autoprec.training.run import PolicyMismatchError, train
 
 pytest.importorskip("torchao")
 
