@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from autoprec.training.pretrain import BACKOFF_SETTINGS
+from autoprec.training.recipe import TrainingRecipe
 
 FIDELITIES = ("short", "full", "surrogate")
 SHORT_STEPS = 10
@@ -30,11 +31,13 @@ FULL_STEPS = 30
 SHORT_REPLICATES = 1
 FULL_REPLICATES = 3
 REPLICATE_SEED_STRIDE = 10_000  # replicate r of seed s fine-tunes on batches of s + r * stride
-# Fine-tuning under a policy: plain SGD at a fifth of the warm start's rate. At the warm start's
-# own rate and momentum a few dozen steps are chaotic, so that the batch order, not the
-# precision, decides the loss; at this rate without momentum formats that barely round
-# (tf32, fp16) stay close to fp32 (experiments/study_short_fidelity.py, docs/benchmarks.md).
-FINETUNE_LR = 0.01
+# Fine-tuning under a policy: the recipe's optimizer at a fifth of the warm start's rate (SGD:
+# without momentum). At the warm start's own rate and momentum a few dozen steps are chaotic,
+# so that the batch order, not the precision, decides the loss; at this rate without momentum
+# formats that barely round (tf32, fp16) stay close to fp32 (experiments/study_short_fidelity.py,
+# docs/benchmarks.md). AdamW keeps its betas and takes the same fifth of its rate.
+FINETUNE_RATE_DIVISOR = 5
+FINETUNE_LR = TrainingRecipe().lr / FINETUNE_RATE_DIVISOR  # 0.01, the default recipe's
 FINETUNE_MOMENTUM = 0.0
 
 
@@ -68,10 +71,16 @@ class EvaluatorConfig:
         steps: fine-tuning steps at ``"short"`` fidelity; None: :data:`SHORT_STEPS`.
         replicates: fine-tunes at ``"short"`` fidelity, each from the warm start on batches of
             its own; the scores are averaged (less dependence on one batch order).
-        batch_size: examples per fine-tuning (and warm-start) step.
-        lr: SGD learning rate (momentum 0.9) of the warm start.
-        finetune_lr: SGD learning rate while fine-tuning under a policy; None: ``lr``.
-        momentum: SGD momentum while fine-tuning under a policy.
+        recipe: the user's training recipe: the warm start trains with it (optimizer, rate,
+            weight decay, warm-up and schedule, batch size), the fine-tunes with its optimizer
+            and batch size at the fine-tuning rate.
+        batch_size: an alias of ``recipe.batch_size`` (examples per fine-tuning and
+            warm-start step); given, it replaces the recipe's. Read ``recipe.batch_size``:
+            the alias itself is None once the config is made.
+        lr: an alias of ``recipe.lr`` (the warm start's peak rate), as ``batch_size``.
+        finetune_lr: the learning rate while fine-tuning under a policy; None: a fifth of
+            ``recipe.lr`` (:data:`FINETUNE_RATE_DIVISOR`; 0.01 for the default recipe).
+        momentum: SGD momentum while fine-tuning under a policy (AdamW: not used).
         warm_start_steps: fp32 steps from the spec's weights before any policy is applied.
         seed: seeds the warm-start loader, the fixed batches and torch before each run.
         batch_seed: seeds the fine-tuning batches (and torch) instead of ``seed``, keeping the
@@ -89,9 +98,10 @@ class EvaluatorConfig:
     fidelity: str = "short"
     steps: int | None = None
     replicates: int | None = None
-    batch_size: int = 32
-    lr: float = 0.05
-    finetune_lr: float | None = FINETUNE_LR
+    recipe: TrainingRecipe = field(default_factory=TrainingRecipe)
+    batch_size: int | None = None
+    lr: float | None = None
+    finetune_lr: float | None = None
     momentum: float = FINETUNE_MOMENTUM
     warm_start_steps: int = 200
     seed: int = 0
@@ -100,6 +110,12 @@ class EvaluatorConfig:
     target_mode: str = "native"
 
     def __post_init__(self) -> None:
+        aliases = {name: getattr(self, name) for name in ("lr", "batch_size")}
+        given = {name: value for name, value in aliases.items() if value is not None}
+        if given:  # folded into the recipe (checked there), so that the recipe is the one home
+            object.__setattr__(self, "recipe", replace(self.recipe, **given))
+            for name in given:
+                object.__setattr__(self, name, None)
         if self.target_mode not in ("native", "emulate"):
             raise ValueError(f"target_mode must be native or emulate, got {self.target_mode!r}")
         check_fidelity(self.fidelity)
@@ -122,8 +138,11 @@ class EvaluatorConfig:
 
     @property
     def resolved_finetune_lr(self) -> float:
-        """The fine-tuning learning rate (``lr`` when ``finetune_lr`` is None)."""
-        return self.lr if self.finetune_lr is None else self.finetune_lr
+        """The fine-tuning learning rate (a fifth of ``recipe.lr`` when ``finetune_lr`` is
+        None)."""
+        if self.finetune_lr is None:
+            return self.recipe.lr / FINETUNE_RATE_DIVISOR
+        return self.finetune_lr
 
     @property
     def resolved_batch_seed(self) -> int:
@@ -133,16 +152,24 @@ class EvaluatorConfig:
     @property
     def resolved_cost_batch_size(self) -> int:
         """The cost model's batch size (``batch_size`` when ``cost_batch_size`` is None)."""
-        return self.batch_size if self.cost_batch_size is None else int(self.cost_batch_size)
+        if self.cost_batch_size is None:
+            return self.recipe.batch_size
+        return int(self.cost_batch_size)
 
     def warm_start_settings(self) -> dict[str, Any]:
-        """What trains the warm start besides the model, the data and the seed (its key)."""
-        return {
+        """What trains the warm start besides the model, the data and the seed (its key). The
+        recipe's fields beyond rate and batch size join it only when they differ from the
+        default recipe's, so that the keys (and caches) made before recipes stay valid."""
+        settings = {
             "steps": self.warm_start_steps,
-            "lr": self.lr,
-            "batch_size": self.batch_size,
+            "lr": self.recipe.lr,
+            "batch_size": self.recipe.batch_size,
             "backoff": BACKOFF_SETTINGS,
         }
+        rest = {"lr": self.recipe.lr, "batch_size": self.recipe.batch_size}
+        if replace(self.recipe, **rest) != replace(TrainingRecipe(), **rest):
+            settings["recipe"] = self.recipe.to_dict()
+        return settings
 
     def canonical(self) -> dict[str, Any]:
         """Every setting that decides a result, resolved (a None and the value it stands for

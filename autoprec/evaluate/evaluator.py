@@ -108,10 +108,12 @@ class Evaluator:
 
     # the settings of :attr:`config` as read-only attributes, resolved where None stands for
     # another setting's value
-    fidelity, batch_size, lr, momentum, warm_start_steps, seed, target_mode = map(
+    fidelity, recipe, momentum, warm_start_steps, seed, target_mode = map(
         _from_config,
-        ("fidelity", "batch_size", "lr", "momentum", "warm_start_steps", "seed", "target_mode"),
+        ("fidelity", "recipe", "momentum", "warm_start_steps", "seed", "target_mode"),
     )
+    batch_size = property(lambda self: self.config.recipe.batch_size, doc="``recipe.batch_size``")
+    lr = property(lambda self: self.config.recipe.lr, doc="``recipe.lr``")
     steps, replicates, finetune_lr, batch_seed, cost_batch_size = map(
         _from_config,
         (
@@ -143,7 +145,7 @@ class Evaluator:
         base = EvaluatorConfig() if config is None else config
         self.config = dataclasses.replace(base, **settings) if settings else base
         # a fine-tuning batch beyond the machine's memory is one line now, not in a worker
-        spec.check_batch(self.config.batch_size, activations=True)
+        spec.check_batch(self.config.recipe.batch_size, activations=True)
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self.cost_spec = spec if cost_spec is None else cost_spec
         self.measured = torch.cuda.is_available() and detect().name == self.device.name
@@ -182,7 +184,7 @@ class Evaluator:
     def warm_start_lr(self) -> float:
         """The SGD rate the warm start learnt at: ``lr``, or a backed-off one (loads or trains
         the warm start)."""
-        return self.config.lr * self._warm.lr_scale
+        return self.config.recipe.lr * self._warm.lr_scale
 
     @property
     def warm_start_trained(self) -> bool:

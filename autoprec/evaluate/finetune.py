@@ -90,7 +90,7 @@ class FineTuner:
             model.load_state_dict(state)
             model.to(dev)
             batches = self.data.fixed_batches(
-                cfg.steps_by_fidelity[fidelity], cfg.batch_size, seed=batch_seed
+                cfg.steps_by_fidelity[fidelity], cfg.recipe.batch_size, seed=batch_seed
             )
             handle = None
             try:

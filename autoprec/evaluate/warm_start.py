@@ -77,7 +77,7 @@ class WarmStart:
         self.trained = False
         self.attempts: list[Attempt] = []
         self._state: dict[str, torch.Tensor] | None = None
-        self._lr = config.lr
+        self._lr = config.recipe.lr
 
     def state(self, progress: Any = None) -> dict[str, torch.Tensor]:
         """The weights (CPU tensors): from memory, else from the file, else trained and saved
@@ -92,7 +92,7 @@ class WarmStart:
             save_state_atomic(self.path, saved)
             self.trained = True
         rate = saved.get(LR_KEY)
-        self._lr = float(rate) if rate is not None else self.config.lr
+        self._lr = float(rate) if rate is not None else self.config.recipe.lr
         self._state = {k: v for k, v in saved.items() if k != LR_KEY}
         return self._state
 
@@ -101,7 +101,7 @@ class WarmStart:
         """The rate the warm start learnt at over the configured rate (1: no back-off); loads
         or trains the weights."""
         self.state()
-        return self._lr / self.config.lr
+        return self._lr / self.config.recipe.lr
 
     def _train(self, progress: Any = None) -> dict[str, torch.Tensor]:
         """``warm_start_steps`` fp32 SGD steps (momentum 0.9) from the spec's weights, at the
@@ -112,9 +112,9 @@ class WarmStart:
         self.attempts = train_fp32(
             model,
             self.spec.loss,
-            lambda: self.data.loader("train", batch_size=cfg.batch_size, seed=cfg.seed),
+            lambda: self.data.loader("train", batch_size=cfg.recipe.batch_size, seed=cfg.seed),
             cfg.warm_start_steps,
-            cfg.lr,
+            cfg.recipe.lr,
             cfg.seed,
             what=WHAT,
             progress=progress,
