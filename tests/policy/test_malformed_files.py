@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-import autoprec.policy
+import autoprec.policy.precision_policy
 from autoprec._datafile import MAX_DEPTH, MAX_FILE_BYTES
 from autoprec._text import EXCERPT_CHARS, excerpt
 from autoprec.cli import main
@@ -342,7 +342,7 @@ def test_nested_quantifier_pattern_is_one_line_from_train(tmp_path, capsys):
 
 def test_a_pattern_that_takes_too_long_is_stopped_with_a_hint(monkeypatch):
     # the regex engine defuses the textbook cases; this one is still slow on a long name
-    monkeypatch.setattr(autoprec.policy, "PATTERN_TIMEOUT_S", 0.001)
+    monkeypatch.setattr(autoprec.policy.precision_policy, "PATTERN_TIMEOUT_S", 0.001)
     model = nn.Sequential()
     model.add_module("block" * 60, nn.Linear(2, 2))
     policy = PrecisionPolicy(default="bf16", layers={r"re:(?:(.)+)+(?!.)\d": "fp16"})
