@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -12,6 +13,12 @@ from autoprec.cache import write_output
 from autoprec.cli._setup import SMALL_IMAGE, train_shape_option
 from autoprec.defaults import DEFAULT_DATASET
 from autoprec.sensitivities.budget import DEFAULT_TIME_BUDGET_S, check_budget
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+    from autoprec.graph import LayerTable
+    from autoprec.sensitivities import SensitivityTable
 
 
 class AnalyzeOptionError(ValueError):
@@ -120,6 +127,67 @@ def _coverage(table) -> str:
     )
 
 
+def _layer_view(
+    model: str,
+    table: LayerTable,
+    runnable: dict[str, dict[str, str]],
+    device: str,
+    sens: SensitivityTable | None,
+    reasons: list[str],
+) -> Table:
+    """The table of layers shown: one row per tunable layer, its sizes, where its input comes
+    from, the precisions it cannot run natively on ``device`` (their footnotes appended to
+    ``reasons``) and its sensitivities."""
+    from rich.table import Table
+
+    out = Table(
+        title=f"{model}: {len(table)} tunable layers, batch {table.batch_size}, "
+        f"input {tuple(table.input_shape)}; FLOPs in GFLOP (2 per multiply-add)",
+        caption="input: the last tunable layer feeding it (+ how many more; input: the model's)",
+    )
+    native = f"native on {device}"
+    columns = ("#", "layer", "type", "kind", "params", "fwd GFLOP", "bwd GFLOP", "act MB", "input")
+    for col in (*columns, native):
+        out.add_column(
+            col, justify="left" if col in ("layer", "type", "kind", "input", native) else "right"
+        )
+    shown = [p for p in sens.precisions if p != "fp32"] if sens is not None else []
+    for p in shown:
+        out.add_column(f"1-cos {p}", justify="right")
+    for row in table:
+        cells = [
+            str(row.index),
+            row.name,
+            row.type,
+            row.kind,
+            f"{row.params:,}",
+            f"{row.forward_flops / 1e9:.4f}",
+            f"{row.backward_flops / 1e9:.4f}",
+            f"{(row.input_bytes + row.output_bytes) / 1e6:.2f}",
+            _inputs(row),
+            _native(runnable[row.name], reasons),
+        ]
+        mark = "" if sens is None or sens.is_measured(row.name) else "~"
+        cells += [f"{mark}{sens.distance(row.name, p):.1e}" for p in shown]
+        out.add_row(*cells)
+    return out
+
+
+def _write_json(
+    path: str,
+    table: LayerTable,
+    sens: SensitivityTable | None,
+    device: str,
+    runnable: dict[str, dict[str, str]],
+) -> None:
+    """``--json``: the layer table, the sensitivities (null without them) and the runnability."""
+    doc = json.loads(table.to_json())
+    doc["sensitivity"] = None if sens is None else sens.to_dict()
+    doc["runnable"] = {"device": device, "layers": runnable}
+    text = json.dumps(doc, indent=2) + "\n"
+    write_output(path, lambda fh: fh.write(text), what="analysis")
+
+
 @click.command()
 @click.option("--model", "model_name", required=True, help="Model name (see `autoprec models`).")
 @click.option(
@@ -198,7 +266,6 @@ def analyze(
     _check_outputs({"--json": json_path, "--heatmap": heatmap})  # before any model work
     budget = _time_budget(time_budget)
     from rich.console import Console
-    from rich.table import Table
 
     from autoprec.cli._setup import production_spec, resolve_target
     from autoprec.cli.sensitivity_progress import sensitivity_progress
@@ -237,36 +304,7 @@ def analyze(
     console = Console(markup=False)  # data, not markup: 'pip install "autoprec[fp8]"' stays
     if not console.is_terminal:
         console = Console(width=160, markup=False)
-    out = Table(
-        title=f"{spec.name}: {len(table)} tunable layers, batch {table.batch_size}, "
-        f"input {tuple(table.input_shape)}; FLOPs in GFLOP (2 per multiply-add)",
-        caption="input: the last tunable layer feeding it (+ how many more; input: the model's)",
-    )
-    native = f"native on {device.name}"
-    columns = ("#", "layer", "type", "kind", "params", "fwd GFLOP", "bwd GFLOP", "act MB", "input")
-    for col in (*columns, native):
-        out.add_column(
-            col, justify="left" if col in ("layer", "type", "kind", "input", native) else "right"
-        )
-    shown = [p for p in sens.precisions if p != "fp32"] if sens is not None else []
-    for p in shown:
-        out.add_column(f"1-cos {p}", justify="right")
-    for row in table:
-        cells = [
-            str(row.index),
-            row.name,
-            row.type,
-            row.kind,
-            f"{row.params:,}",
-            f"{row.forward_flops / 1e9:.4f}",
-            f"{row.backward_flops / 1e9:.4f}",
-            f"{(row.input_bytes + row.output_bytes) / 1e6:.2f}",
-            _inputs(row),
-            _native(runnable[row.name], reasons),
-        ]
-        mark = "" if sens is None or sens.is_measured(row.name) else "~"
-        cells += [f"{mark}{sens.distance(row.name, p):.1e}" for p in shown]
-        out.add_row(*cells)
+    out = _layer_view(spec.name, table, runnable, device.name, sens, reasons)
     console.print(out)
     console.print(
         f"total forward: {table.total_forward_flops / 1e9:.3f} GFLOP "
@@ -284,11 +322,7 @@ def analyze(
     if sens is not None:
         console.print(_sensitivity_summary(sens, data.name), highlight=False, soft_wrap=True)
     if json_path:
-        doc = json.loads(table.to_json())
-        doc["sensitivity"] = None if sens is None else sens.to_dict()
-        doc["runnable"] = {"device": device.name, "layers": runnable}
-        text = json.dumps(doc, indent=2) + "\n"
-        write_output(json_path, lambda fh: fh.write(text), what="analysis")
+        _write_json(json_path, table, sens, device.name, runnable)
         console.print(f"wrote {json_path}")
     if heatmap and sens is not None:
         _heatmap(table, sens, Path(heatmap))

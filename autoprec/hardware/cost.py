@@ -285,25 +285,7 @@ class CostModel:
                 the device cannot run.
             NoTunableLayerError: the table has no layer (the step is priced by its layers).
         """
-        opt = optimizer.lower()
-        if opt not in OPTIMIZER_BYTES_PER_PARAM:
-            raise CostModelError(
-                f"unknown optimizer {optimizer!r}; expected one of "
-                f"{', '.join(OPTIMIZER_BYTES_PER_PARAM)}"
-            )
-        if not table.rows:
-            from autoprec.layers import NoTunableLayerError  # torch's: not at the import
-
-            raise NoTunableLayerError.of(table.model)
-        batch = table.batch_size if batch_size is None else batch_size
-        for what, value in (("batch_size", batch), ("the table's batch_size", table.batch_size)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise CostModelError(f"{what} must be an integer >= 1, got {value!r}")
-        if memory_format not in MEMORY_FORMATS:
-            raise CostModelError(
-                f"unknown memory format {memory_format!r}; expected one of "
-                f"{', '.join(MEMORY_FORMATS)}"
-            )
+        opt, batch = _check_step(table, optimizer, batch_size, memory_format)
         transposes = memory_format == "contiguous" and self.device.vendor == "nvidia"
         scale = batch / table.batch_size
         precision_for = _precision_lookup(policy)
@@ -318,14 +300,8 @@ class CostModel:
             ratio = p.bytes_ratio
             in_bytes, out_bytes = row.input_bytes * scale, row.output_bytes * scale
             if transposes and _tensor_core_conv(row, p):  # NCHW <-> NHWC, see the docstring
-                moved = TRANSPOSE_PASSES * 2 * (in_bytes + out_bytes) * ratio
-                transpose_s = self._memory_s(moved, 4)
-                # cuDNN's autotuner may instead pick a CUDA-core kernel on the NCHW data
-                native = self.layer_cost(row, p, scale, rate=self.rate(Precision.FP32))
-                if _seconds(native) < _seconds(cost) + transpose_s:
-                    cost = native
-                else:
-                    layout_s += transpose_s
+                cost, transpose_s = self._nchw(row, p, scale, cost)
+                layout_s += transpose_s
             layers.append(cost)
             if flow is None:  # no recorded data flow: casts at each change along the layers
                 if _storage(p) != _storage(previous):  # activation cast, forward and backward
@@ -359,13 +335,7 @@ class CostModel:
         forward_s = sum(c.forward_s for c in layers)
         backward_s = sum(c.backward_s for c in layers)
         step_s = forward_s + backward_s + optimizer_s + cast_s + other_s + layout_s
-        memory = {
-            "master_weights": 4 * params,
-            "low_precision_weights": round(low_weights),
-            "gradients": 4 * params,
-            "optimizer_state": OPTIMIZER_STATE_BYTES_PER_PARAM[opt] * params,
-            "activations": round(activations),
-        }
+        memory = _memory(opt, params, low_weights, activations)
         return StepEstimate(
             device=self.device.name,
             batch_size=batch,
@@ -381,6 +351,20 @@ class CostModel:
             memory=memory,
             layers=tuple(layers),
         )
+
+    def _nchw(
+        self, row: LayerRow, p: Precision, scale: float, cost: LayerCost
+    ) -> tuple[LayerCost, float]:
+        """A tensor-core convolution on NCHW tensors: its ``cost`` and the seconds of the layout
+        transposes it needs, or the CUDA-core kernel on the NCHW data at the fp32 rate and no
+        transposes where that is faster (what cuDNN's autotuner would pick)."""
+        in_bytes, out_bytes = row.input_bytes * scale, row.output_bytes * scale
+        moved = TRANSPOSE_PASSES * 2 * (in_bytes + out_bytes) * p.bytes_ratio
+        transpose_s = self._memory_s(moved, 4)
+        native = self.layer_cost(row, p, scale, rate=self.rate(Precision.FP32))
+        if _seconds(native) < _seconds(cost) + transpose_s:
+            return native, 0.0
+        return cost, transpose_s
 
     @property
     def device_type(self) -> str:
@@ -409,6 +393,48 @@ class CostModel:
         """Seconds of the casts of ``prog`` (:func:`~autoprec.hardware.memory.cast_traffic`:
         torchao's fp8 casts as ``torch.compile`` fuses them)."""
         return sum(self._memory_s(b, k) for b, k in cast_traffic(prog.casts, scale))
+
+
+def _check_step(
+    table: LayerTable, optimizer: str, batch_size: int | None, memory_format: str
+) -> tuple[str, int]:
+    """The optimizer's name in lower case and the batch size of :meth:`CostModel.step`.
+
+    Raises:
+        CostModelError: unknown optimizer or memory format, or a bad batch size.
+        NoTunableLayerError: the table has no layer.
+    """
+    opt = optimizer.lower()
+    if opt not in OPTIMIZER_BYTES_PER_PARAM:
+        raise CostModelError(
+            f"unknown optimizer {optimizer!r}; expected one of "
+            f"{', '.join(OPTIMIZER_BYTES_PER_PARAM)}"
+        )
+    if not table.rows:
+        from autoprec.layers import NoTunableLayerError  # torch's: not at the import
+
+        raise NoTunableLayerError.of(table.model)
+    batch = table.batch_size if batch_size is None else batch_size
+    for what, value in (("batch_size", batch), ("the table's batch_size", table.batch_size)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise CostModelError(f"{what} must be an integer >= 1, got {value!r}")
+    if memory_format not in MEMORY_FORMATS:
+        raise CostModelError(
+            f"unknown memory format {memory_format!r}; expected one of {', '.join(MEMORY_FORMATS)}"
+        )
+    return opt, batch
+
+
+def _memory(opt: str, params: int, low_weights: float, activations: float) -> dict[str, int]:
+    """Bytes of a training step's memory by kind: the fp32 master weights, their low-precision
+    copies, the gradients, the optimizer's state and the saved activations."""
+    return {
+        "master_weights": 4 * params,
+        "low_precision_weights": round(low_weights),
+        "gradients": 4 * params,
+        "optimizer_state": OPTIMIZER_STATE_BYTES_PER_PARAM[opt] * params,
+        "activations": round(activations),
+    }
 
 
 def _seconds(cost: LayerCost) -> float:

@@ -40,7 +40,7 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -61,6 +61,10 @@ from autoprec.sensitivities.budget import (
 )
 from autoprec.sensitivities.measure import Measurer, row
 from autoprec.training.pretrain import BACKOFF_SETTINGS, MAX_BACKOFFS, backoff_note, train_fp32
+
+if TYPE_CHECKING:
+    from autoprec.data import DataBundle
+    from autoprec.models import ModelSpec
 
 DEFAULT_FORMATS = ("fp32", "tf32", "bf16", "fp16", "fp8")
 
@@ -286,54 +290,26 @@ def sensitivity(
         check_budget(time_budget_s)
     precisions = tuple(parse_precision(f) for f in formats)
     fingerprint = model_fingerprint(spec.module)
-    settings = {
-        "method": method,
-        "formats": [p.value for p in precisions],
-        "batches": batches,
-        "batch_size": batch_size,
-        "train_steps": train_steps,
-        "lr": lr,
-        "seed": seed,
-    }
-    if train_steps > 0:
-        settings["backoff"] = BACKOFF_SETTINGS
+    if initial_state is not None and cache and not initial_state_key:
+        raise ValueError("initial_state needs an initial_state_key when cache=True")
+    settings = _settings(method, precisions, batches, batch_size, train_steps, lr, seed)
     if initial_state is not None:
-        if cache and not initial_state_key:
-            raise ValueError("initial_state needs an initial_state_key when cache=True")
         settings["initial_state"] = initial_state_key
     sweep_path = _entry(fingerprint, data.key, settings | {"method": "sweep"})
     if budgeted:
         settings["time_budget_s"] = float(time_budget_s)
     path = _entry(fingerprint, data.key, settings)
     if cache:  # a damaged entry is discarded with a note, and recomputed
-        for candidate in (sweep_path, path) if method == "auto" else (path,):
-            table = read_entry(candidate, _read_table, "sensitivity cache entry")
-            if table is not None:
-                return table
+        table = _cached((sweep_path, path) if method == "auto" else (path,))
+        if table is not None:
+            return table
 
     start = time.perf_counter()
     report = progress or (lambda stage, done, total: None)
-    torch.manual_seed(seed)
-    model = copy.deepcopy(spec.module)
-    if initial_state is not None:
-        model.load_state_dict(initial_state)
-    steps, warm_up = train_steps, f"fp32 warm-up ({train_steps} steps)"
-    if budgeted and train_steps > 0:
-        step_s = _step_seconds(model, spec, data, batch_size, seed)
-        steps = warm_up_steps(train_steps, step_s, time_budget_s, MAX_BACKOFFS + 1)
-        if steps < train_steps:
-            warm_up = f"fp32 warm-up ({steps} of {train_steps} steps, to fit the budget)"
-    report(warm_up, 0, 1)
-    _warm_start(model, spec, data, steps, lr, batch_size, seed)
-    report(warm_up, 1, 1)
-    fixed = data.fixed_batches(batches, batch_size, split="train", seed=seed)
-    x = torch.cat([b[0] for b in fixed])
-    y = torch.cat([b[1] for b in fixed])
-    measurer = Measurer(model, spec, x, y)
-    lowered = [p for p in precisions if p is not Precision.FP32]
-    costs = Costs(len(measurer.names), len(lowered), measurer.pass_s)
-    left = time_budget_s - (time.perf_counter() - start) if budgeted else None
-    chosen = plan(method, costs, left, time_budget_s if budgeted else None)
+    budget_s = time_budget_s if budgeted else None
+    model, warm_up = _warmed_model(spec, data, settings, budget_s, initial_state, report)
+    measurer = _measurer(model, spec, data, settings)
+    chosen = _plan(method, measurer, precisions, start, budget_s)
     if on_plan is not None:
         on_plan(chosen)
     deadline = start + time_budget_s if budgeted else math.inf
@@ -354,13 +330,106 @@ def sensitivity(
         measured=tuple(measured) if ran == "focused" else (),
         note=f"{chosen.describe()}; {warm_up}" if budgeted else "",
     )
-    if cache:
-        # a full sweep is stored as one (which `auto` looks up first, whatever its budget)
-        target = sweep_path if ran == "sweep" else path
-        write_entry(
-            target, lambda fh: json.dump(table.to_dict(), fh), what="sensitivity cache entry"
-        )
+    if cache:  # a full sweep is stored as one (which `auto` looks up first, whatever its budget)
+        _store(table, sweep_path if ran == "sweep" else path)
     return table
+
+
+def _cached(paths: Sequence[Path]) -> SensitivityTable | None:
+    """The first table stored under one of ``paths``, or None (a damaged entry is discarded
+    with a note)."""
+    for candidate in paths:
+        table = read_entry(candidate, _read_table, "sensitivity cache entry")
+        if table is not None:
+            return table
+    return None
+
+
+def _store(table: SensitivityTable, path: Path) -> None:
+    """Keep ``table`` in the cache under ``path``."""
+    write_entry(path, lambda fh: json.dump(table.to_dict(), fh), what="sensitivity cache entry")
+
+
+def _plan(
+    method: str,
+    measurer: Measurer,
+    precisions: Sequence[Precision],
+    start: float,
+    budget_s: float | None,
+) -> SensitivityPlan:
+    """What to measure (:func:`~autoprec.sensitivities.budget.plan`) within what is left of
+    ``budget_s`` (None: no budget) since ``start``, at the pace of ``measurer``'s passes."""
+    lowered = [p for p in precisions if p is not Precision.FP32]
+    costs = Costs(len(measurer.names), len(lowered), measurer.pass_s)
+    left = budget_s - (time.perf_counter() - start) if budget_s is not None else None
+    return plan(method, costs, left, budget_s)
+
+
+def _settings(
+    method: str,
+    precisions: Sequence[Precision],
+    batches: int,
+    batch_size: int,
+    train_steps: int,
+    lr: float,
+    seed: int,
+) -> dict[str, Any]:
+    """What a table is computed from besides the model and the data: its cache key, stored in
+    :attr:`SensitivityTable.settings` (the budget and the initial state's key are added by
+    :func:`sensitivity`)."""
+    settings: dict[str, Any] = {
+        "method": method,
+        "formats": [p.value for p in precisions],
+        "batches": batches,
+        "batch_size": batch_size,
+        "train_steps": train_steps,
+        "lr": lr,
+        "seed": seed,
+    }
+    if train_steps > 0:
+        settings["backoff"] = BACKOFF_SETTINGS
+    return settings
+
+
+def _warmed_model(
+    spec: ModelSpec,
+    data: DataBundle,
+    settings: Mapping[str, Any],
+    budget_s: float | None,
+    initial_state: Mapping[str, torch.Tensor] | None,
+    report: Progress,
+) -> tuple[torch.nn.Module, str]:
+    """A copy of ``spec.module`` (``initial_state`` loaded) after the fp32 warm-up of
+    ``settings["train_steps"]`` steps, cut to fewer when a budget of ``budget_s`` seconds
+    cannot hold its back-off's worst case; and the warm-up's name as the progress shows it."""
+    train_steps, batch_size = settings["train_steps"], settings["batch_size"]
+    seed = settings["seed"]
+    torch.manual_seed(seed)
+    model = copy.deepcopy(spec.module)
+    if initial_state is not None:
+        model.load_state_dict(initial_state)
+    steps, warm_up = train_steps, f"fp32 warm-up ({train_steps} steps)"
+    if budget_s is not None and train_steps > 0:
+        step_s = _step_seconds(model, spec, data, batch_size, seed)
+        steps = warm_up_steps(train_steps, step_s, budget_s, MAX_BACKOFFS + 1)
+        if steps < train_steps:
+            warm_up = f"fp32 warm-up ({steps} of {train_steps} steps, to fit the budget)"
+    report(warm_up, 0, 1)
+    _warm_start(model, spec, data, steps, settings["lr"], batch_size, seed)
+    report(warm_up, 1, 1)
+    return model, warm_up
+
+
+def _measurer(
+    model: torch.nn.Module, spec: ModelSpec, data: DataBundle, settings: Mapping[str, Any]
+) -> Measurer:
+    """A :class:`~autoprec.sensitivities.measure.Measurer` of ``model`` on the fixed batches
+    ``settings`` names, concatenated into one."""
+    batch_size, seed = settings["batch_size"], settings["seed"]
+    fixed = data.fixed_batches(settings["batches"], batch_size, split="train", seed=seed)
+    x = torch.cat([b[0] for b in fixed])
+    y = torch.cat([b[1] for b in fixed])
+    return Measurer(model, spec, x, y)
 
 
 def _measure(
