@@ -48,6 +48,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from autoprec.hardware import DeviceSpec
 
 STAGES = ("model", "blocks", "layers")
+#: The :class:`~autoprec.evaluate.Metrics` fields a :class:`MigrationStep` carries as its own.
+STEP_METRICS = ("loss_delta", "accuracy_delta", "speedup", "memory_ratio", "diverged", "feasible")
 PLAN_VERSION = 1
 __all__ = ["MigrationError", "check_precision", "layer_blocks", "layer_sensitivity", "migrate"]
 
@@ -360,12 +362,7 @@ class _Migration:
             item=item,
             layers=tuple(lowered),
             precision=self.low.value,
-            loss_delta=m.loss_delta,
-            accuracy_delta=m.accuracy_delta,
-            speedup=m.speedup,
-            memory_ratio=m.memory_ratio,
-            diverged=m.diverged,
-            feasible=m.feasible,
+            **{name: getattr(m, name) for name in STEP_METRICS},
             accepted=accepted,
             pays=pays,
             metrics=m,

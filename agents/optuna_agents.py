@@ -363,21 +363,8 @@ class TPEAgent(_OptunaAgent):
     name = "tpe"
     directions = ("maximize",)
 
-    def __init__(
-        self,
-        storage: Any = None,
-        study_name: str | None = None,
-        sampler: Any = None,
-        enqueue_baselines: bool = True,
-        max_repeats: int = 100,
-        n_startup_trials: int | None = None,
-        *,
-        resume: bool = False,
-        name: str | None = None,
-    ) -> None:
-        super().__init__(
-            storage, study_name, sampler, enqueue_baselines, max_repeats, resume=resume, name=name
-        )
+    def __init__(self, *, n_startup_trials: int | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
         self.n_startup_trials = n_startup_trials
 
     def make_sampler(self, session: Session, seed: int) -> Any:
@@ -399,37 +386,21 @@ class NSGA2Agent(_OptunaAgent):
     Args:
         sampler: ``"nsga2"`` (default), ``"tpe"``, or an ``optuna.samplers.BaseSampler``.
         population_size: NSGA-II's population; None: a third of the budget, between 4 and 50.
-        **kwargs: see :class:`_OptunaAgent`.
+        **kwargs: see :class:`_OptunaAgent` (``storage``, ``study_name``,
+            ``enqueue_baselines``, ``max_repeats``, ``resume``, ``name``).
     """
 
     name = "nsga2"
     directions = ("minimize", "maximize", "minimize")
 
     def __init__(
-        self,
-        storage: Any = None,
-        study_name: str | None = None,
-        sampler: Any = "nsga2",
-        enqueue_baselines: bool = True,
-        max_repeats: int = 100,
-        population_size: int | None = None,
-        *,
-        resume: bool = False,
-        name: str | None = None,
+        self, *, sampler: Any = "nsga2", population_size: int | None = None, **kwargs: Any
     ) -> None:
         if isinstance(sampler, str) and sampler not in ("nsga2", "tpe"):
             raise ValueError(
                 f"sampler must be 'nsga2', 'tpe' or an optuna sampler, got {sampler!r}"
             )
-        super().__init__(
-            storage,
-            study_name,
-            None if isinstance(sampler, str) else sampler,
-            enqueue_baselines,
-            max_repeats,
-            resume=resume,
-            name=name,
-        )
+        super().__init__(sampler=None if isinstance(sampler, str) else sampler, **kwargs)
         self.kind = sampler if isinstance(sampler, str) else "custom"
         self.population_size = population_size
 

@@ -40,6 +40,24 @@ def agent_class(name: str) -> type[Agent]:
     raise ValueError(f"unknown agent {name!r}; expected one of {', '.join(NAMES)}")
 
 
+def agent_options(cls: type[Agent]) -> list[str]:
+    """The options an agent class takes: its own keyword parameters and, where it passes
+    ``**kwargs`` on to its base class, the base's (its own first, each once)."""
+    names: list[str] = []
+    for klass in cls.__mro__:
+        if "__init__" not in vars(klass):
+            continue
+        parameters = list(inspect.signature(klass.__init__).parameters.values())[1:]  # self
+        names += [
+            p.name
+            for p in parameters
+            if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.name not in names
+        ]
+        if not any(p.kind is p.VAR_KEYWORD for p in parameters):
+            break
+    return names
+
+
 class _Registry(Mapping[str, type[Agent]]):
     """``{name: agent class}``, each class imported when it is looked up."""
 
@@ -94,7 +112,7 @@ def search(
     if (problem_text := BUDGET_RANGE.problem(budget)) is not None:
         raise ValueError(f"budget must be {problem_text}")
     cls = agent_class(agent)
-    parameters = inspect.signature(cls).parameters
+    parameters = agent_options(cls)
     unknown = sorted(set(agent_kwargs) - set(parameters))
     if unknown:
         accepted = ", ".join(parameters) or "none"

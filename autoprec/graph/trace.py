@@ -295,12 +295,16 @@ class Recorder:
         }
 
 
-class FunctionCalls(TorchFunctionMode):
-    """Gives each torch call holding a tunable layer's weight to that layer (see module doc)."""
+class _Recording:
+    """A torch mode that reports to a :class:`Recorder` (``self.rec``)."""
 
     def __init__(self, recorder: Recorder) -> None:
         super().__init__()
         self.rec = recorder
+
+
+class FunctionCalls(_Recording, TorchFunctionMode):
+    """Gives each torch call holding a tunable layer's weight to that layer (see module doc)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -329,12 +333,8 @@ class FunctionCalls(TorchFunctionMode):
         return out
 
 
-class AtenOps(TorchDispatchMode):
+class AtenOps(_Recording, TorchDispatchMode):
     """Counts and attributes every aten op (see module doc)."""
-
-    def __init__(self, recorder: Recorder) -> None:
-        super().__init__()
-        self.rec = recorder
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -40,6 +40,7 @@ from autoprec.policy import PATTERN_PREFIX, TARGET_MODES, PrecisionPolicy, resol
 from autoprec.precision import Precision
 from autoprec.runtime import native
 from autoprec.runtime.functional import WeightUseMode
+from autoprec.runtime.handle import Removable
 from autoprec.runtime.layer import LayerStats, ManagedLayer
 
 __all__ = [
@@ -131,7 +132,7 @@ class _Region:
             h.remove()
 
 
-class PolicyHandle:
+class PolicyHandle(Removable):
     """The result of :func:`apply_policy`: read stats, then ``remove()`` to undo everything.
 
     Also a context manager: ``with apply_policy(model, policy): ...`` removes on exit.
@@ -180,12 +181,6 @@ class PolicyHandle:
             self.float8.restore_all()
         self.weight_owners = {}
         self.removed = True
-
-    def __enter__(self) -> PolicyHandle:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.remove()
 
     def __repr__(self) -> str:
         state = "removed" if self.removed else f"{len(self.layers)} layers"

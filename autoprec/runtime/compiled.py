@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_map_only
 from autoprec.hardware.program import region_of
 from autoprec.precision import Precision
 from autoprec.runtime import native
+from autoprec.runtime.handle import Removable
 
 __all__ = ["CompiledPolicy", "NotCompilableError", "check_compilable", "compile_policy"]
 
@@ -52,7 +53,7 @@ def _fp8_forward(forward: Callable, device_type: str, dtype: torch.dtype, x, *ar
         return forward(native.cast_floating(x, dtype), *args, **kwargs)
 
 
-class CompiledPolicy:
+class CompiledPolicy(Removable):
     """What :func:`compile_policy` did to a model; ``remove()`` undoes it (the same modules and
     parameters, the model's own ``forward``, not compiled). Also a context manager."""
 
@@ -82,12 +83,6 @@ class CompiledPolicy:
                 self.swap.restore(name)
         self.model._compiled_call_impl = None  # nn.Module.compile's in-place state
         self.removed = True
-
-    def __enter__(self) -> CompiledPolicy:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.remove()
 
 
 def check_compilable(model: nn.Module, policy: Any) -> dict[str, Precision]:

@@ -45,6 +45,7 @@ from torch import Tensor
 from autoprec.kernels import get_format
 from autoprec.precision import Precision, parse_precision
 from autoprec.runtime.apply import PolicyHandle
+from autoprec.runtime.handle import Removable
 
 __all__ = ["DEFAULT_MARGIN", "LayerScaling", "apply_layer_scaling"]
 
@@ -130,7 +131,7 @@ class _ScaledLayer:
             self.layer.gradient_scale = None
 
 
-class LayerScaling:
+class LayerScaling(Removable):
     """Per-layer output-gradient scales on a :class:`~autoprec.runtime.PolicyHandle`; made
     by :func:`apply_layer_scaling`. Also a context manager (removes on exit)."""
 
@@ -165,12 +166,6 @@ class LayerScaling:
         for layer in self.layers.values():
             layer.remove()
         self.removed = True
-
-    def __enter__(self) -> LayerScaling:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.remove()
 
     def __repr__(self) -> str:
         return f"LayerScaling({len(self.layers)} layers{', removed' if self.removed else ''})"

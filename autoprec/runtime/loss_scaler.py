@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -54,35 +54,48 @@ def _check_positive_finite(name: str, value: Any) -> float:
     return float(value)
 
 
-def _check_scale(value: Any) -> float:
-    value = _check_positive_finite("init_scale", value)
-    low, high = SCALE_RANGE
-    if not low <= value <= high:
-        raise ValueError(
-            f"init_scale must be in [{low:.3g}, {high:.3g}] (the scale is a float32: a smaller "
-            f"one rounds to 0, a larger one to inf), got {value!r}; 65536 is a common start"
-        )
+def _check_factor(
+    name: str, value: Any, within: Callable[[float], bool], expected: str, hint: str = ""
+) -> float:
+    """``value`` as a float: a positive, finite number for which ``within(value)`` holds.
+
+    Raises:
+        ValueError: ``<name> must be <expected>, got <value><hint>``.
+    """
+    value = _check_positive_finite(name, value)
+    if not within(value):
+        raise ValueError(f"{name} must be {expected}, got {value!r}{hint}")
     return value
+
+
+def _check_scale(value: Any) -> float:
+    low, high = SCALE_RANGE
+    return _check_factor(
+        "init_scale",
+        value,
+        lambda v: low <= v <= high,
+        f"in [{low:.3g}, {high:.3g}] (the scale is a float32: a smaller one rounds to 0, a "
+        "larger one to inf)",
+        "; 65536 is a common start",
+    )
 
 
 def _check_growth_factor(value: Any) -> float:
-    value = _check_positive_finite("growth_factor", value)
-    if value < 1.0:
-        raise ValueError(
-            f"growth_factor must be >= 1.0 (it multiplies the scale after a run of good steps), "
-            f"got {value!r}"
-        )
-    return value
+    return _check_factor(
+        "growth_factor",
+        value,
+        lambda v: v >= 1.0,
+        ">= 1.0 (it multiplies the scale after a run of good steps)",
+    )
 
 
 def _check_backoff_factor(value: Any) -> float:
-    value = _check_positive_finite("backoff_factor", value)
-    if value > 1.0:
-        raise ValueError(
-            f"backoff_factor must be in (0, 1] (it multiplies the scale after an overflow), "
-            f"got {value!r}"
-        )
-    return value
+    return _check_factor(
+        "backoff_factor",
+        value,
+        lambda v: v <= 1.0,
+        "in (0, 1] (it multiplies the scale after an overflow)",
+    )
 
 
 def _check_growth_interval(value: Any) -> int:

@@ -32,7 +32,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +40,7 @@ from autoprec.tracking.client import CONNECT_LIMITS, STATUSES, GuardedClient
 from autoprec.tracking.plots import pareto_figure, precision_map, save_png
 
 if TYPE_CHECKING:
+    from autoprec.evaluate import Metrics
     from autoprec.evaluate.reward import RewardConfig
 
 TRIAL_METRICS = (
@@ -59,6 +60,10 @@ TRIAL_METRICS = (
     "diverged",
     "feasible",
 )
+#: The best trial's metrics logged on the parent run (as ``best_<name>``), and the AMP
+#: baseline's (as ``amp_<name>``).
+_BEST_METRICS = ("accuracy_delta", "loss_delta", "speedup", "memory_ratio", "accuracy")
+_AMP_METRICS = ("speedup", "memory_ratio", "loss_delta", "accuracy_delta")
 
 
 class SearchTracker:
@@ -318,27 +323,15 @@ class SearchTracker:
         }
         best = result.best
         if best is not None:
-            m = best.metrics
-            out.update(
-                best_reward=best.reward,
-                best_accuracy_delta=m.accuracy_delta,
-                best_loss_delta=m.loss_delta,
-                best_speedup=m.speedup,
-                best_memory_ratio=m.memory_ratio,
-                best_accuracy=m.accuracy,
-                best_lowered_layers=lowered_layers(best.policy),
-            )
+            out["best_reward"] = best.reward
+            out.update(_prefixed("best_", best.metrics, _BEST_METRICS))
+            out["best_lowered_layers"] = lowered_layers(best.policy)
         reference = fp32 if fp32 is not None else (best.metrics if best is not None else None)
         if reference is not None:
             out.update(fp32_accuracy=reference.fp32_accuracy, fp32_loss=reference.fp32_loss)
         if amp is not None:
-            out.update(
-                amp_reward=self.reward(amp),
-                amp_speedup=amp.speedup,
-                amp_memory_ratio=amp.memory_ratio,
-                amp_loss_delta=amp.loss_delta,
-                amp_accuracy_delta=amp.accuracy_delta,
-            )
+            out["amp_reward"] = self.reward(amp)
+            out.update(_prefixed("amp_", amp, _AMP_METRICS))
         return out
 
     def _pareto_rows(self, result: Any) -> list[dict[str, Any]]:
@@ -364,6 +357,11 @@ class SearchTracker:
             f"{self.model} on {self.target or result.target}: {self.agent or result.agent}, "
             f"{len(result.real_trials)} evaluations"
         )
+
+
+def _prefixed(prefix: str, metrics: Metrics, names: Sequence[str]) -> dict[str, Any]:
+    """``{prefix + name: metrics.<name>}`` for each of ``names``, in that order."""
+    return {prefix + name: getattr(metrics, name) for name in names}
 
 
 def policy_digest(policy: Mapping[str, Any]) -> str:

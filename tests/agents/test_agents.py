@@ -163,10 +163,10 @@ def test_import_is_light():
 
 
 def test_every_agent_takes_resume_and_name():
-    import inspect
+    from autoprec.agents.registry import agent_options
 
     for name, cls in AGENTS.items():
-        parameters = inspect.signature(cls).parameters
+        parameters = agent_options(cls)
         assert {"resume", "name"} <= set(parameters), name
         assert cls.name == name
 
@@ -175,7 +175,7 @@ def test_trial_rows_are_the_tables_and_csvs_rows(make_problem):
     result = search(make_problem(), budget=2, agent="baseline")
     trial = result.trials[0]
     row = trial.row()
-    from autoprec.cli.search_export import PARETO_FIELDS
+    from autoprec.pipeline.export import PARETO_FIELDS
 
     assert list(row)[:2] == ["number", "fidelity"] and list(row)[-1] == "policy"
     assert set(row) == {"fidelity", "policy", *PARETO_FIELDS}
