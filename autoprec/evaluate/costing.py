@@ -21,7 +21,7 @@ from autoprec.hardware import runnability as runnability_table
 from autoprec.hardware.defaults import amp_policy
 from autoprec.layers import model_fingerprint
 from autoprec.policy import PrecisionPolicy
-from autoprec.precision import Precision, parse_precision
+from autoprec.precision import Precision
 
 
 @functools.cache
@@ -105,18 +105,9 @@ class CostEstimator:
         """``{layer: reason}`` for the layers of ``precisions`` the target cannot run in its
         ``target_mode`` (the runnability table; for a layer the table lacks, whether the
         device has the format at all)."""
-        rows = {row.name: row for row in self.cost_table().rows}
-        out = {}
-        for name, p in precisions.items():
-            if name in rows:
-                verdict = runnability_table.verdict_for_row(
-                    rows[name], p, self.device, self.target_mode
-                )
-                if not verdict.runnable:
-                    out[name] = verdict.reason
-            elif not self.device.supports(p):
-                out[name] = f"{self.device.name} has no {parse_precision(p).value} tensor cores"
-        return out
+        shapes = runnability_table.shapes_of(self.cost_table())
+        bad = runnability_table.unrunnable(precisions, self.device, shapes, self.target_mode)
+        return {name: verdict.reason for name, verdict in bad.items()}
 
     def estimate(self, precisions: Mapping[str, Precision]) -> tuple[float, int]:
         """Step time (s) and memory (bytes) of ``{layer: precision}``, unrunnable layers fp32."""

@@ -60,12 +60,16 @@ __all__ = [
     "LAYER_KINDS",
     "NotRunnableError",
     "Verdict",
+    "LayerShape",
     "check_runnable",
     "describe",
     "float8_available",
     "layer_kind",
     "runnability",
+    "refuse",
     "runnable_precisions",
+    "shapes_of",
+    "unrunnable",
     "verdict_for_row",
 ]
 
@@ -210,12 +214,73 @@ def _mx(p: Precision, kind: str, features: tuple[int, int] | None) -> Verdict:
     return Verdict(p, Backend.MX)
 
 
+@dataclass(frozen=True)
+class LayerShape:
+    """What :func:`runnability` reads of a layer: its kind and, for a linear layer, the
+    ``(in_features, out_features)`` of its GEMM."""
+
+    kind: str
+    features: tuple[int, int] | None = None
+
+    @classmethod
+    def of_row(cls, row: LayerRow) -> LayerShape:
+        """An analysed layer's (the table's kind, else its type's; its fan-in and fan-out)."""
+        return cls(getattr(row, "kind", "") or layer_kind(row.type), (row.fan_in, row.fan_out))
+
+    @classmethod
+    def of_module(cls, module: object) -> LayerShape:
+        """A module's, read off it (its type's kind; a Linear's features)."""
+        features = None
+        if hasattr(module, "in_features") and hasattr(module, "out_features"):
+            features = (int(module.in_features), int(module.out_features))
+        return cls(layer_kind(type(module).__name__), features)
+
+
+def shapes_of(table: LayerTable) -> dict[str, LayerShape]:
+    """``{layer: shape}`` of every analysed layer of ``table``."""
+    return {row.name: LayerShape.of_row(row) for row in table.rows}
+
+
 def verdict_for_row(
     row: LayerRow, precision: str | Precision, device: Any, mode: str = "native"
 ) -> Verdict:
     """:func:`runnability` of an analysed layer (its kind and shape from the table)."""
-    kind = getattr(row, "kind", "") or layer_kind(row.type)
-    return runnability(kind, precision, device, features=(row.fan_in, row.fan_out), mode=mode)
+    shape = LayerShape.of_row(row)
+    return runnability(shape.kind, precision, device, features=shape.features, mode=mode)
+
+
+def unrunnable(
+    precisions: Mapping[str, str | Precision],
+    device: Any,
+    shapes: Mapping[str, LayerShape],
+    mode: str = "native",
+) -> dict[str, Verdict]:
+    """Whether these precisions run on the target: the one check of every caller (the
+    evaluator's feasibility and costing, :func:`check_runnable`, the runtime's native mode).
+
+    Args:
+        precisions: ``{layer: precision}``.
+        device: the target (see :func:`runnability`).
+        shapes: ``{layer: shape}``; a layer of ``precisions`` that it lacks is judged by
+            whether the target has the format at all.
+        mode: the target's mode (see :func:`runnability`).
+
+    Returns:
+        ``{layer: verdict}`` of the layers that cannot run, in the order of ``precisions``.
+    """
+    out = {}
+    for name, precision in precisions.items():
+        if name in shapes:
+            shape = shapes[name]
+            verdict = runnability(shape.kind, precision, device, features=shape.features, mode=mode)
+            if not verdict.runnable:
+                out[name] = verdict
+            continue
+        p = parse_precision(precision)  # not analysed: the target must have the format
+        if p.hardware not in tuple(getattr(device, "supported_precisions", device)):
+            target = getattr(device, "name", "the target")
+            out[name] = Verdict(p, None, f"{target} has no {p.value} tensor cores")
+    return out
 
 
 def runnable_precisions(
@@ -280,13 +345,19 @@ def check_runnable(
     Raises:
         NotRunnableError: one line naming the layers (the first few) and why.
     """
-    rows = {row.name: row for row in table.rows}
-    bad = {}
-    for name, p in precisions.items():
-        if name in rows:
-            verdict = verdict_for_row(rows[name], p, device, mode)
-            if not verdict.runnable:
-                bad[name] = f"{parse_precision(p).value}: {verdict.reason}"
+    shapes = shapes_of(table)
+    analysed = {name: p for name, p in precisions.items() if name in shapes}
+    refuse(unrunnable(analysed, device, shapes, mode), device)
+
+
+def refuse(verdicts: Mapping[str, Verdict], device: Any) -> None:
+    """Raise for the layers :func:`unrunnable` found, if any.
+
+    Raises:
+        NotRunnableError: one line naming the layers (the first few) and why; its ``layers``
+            maps each to ``"<precision>: <reason>"``.
+    """
+    bad = {name: f"{v.precision.value}: {v.reason}" for name, v in verdicts.items()}
     if bad:
         raise NotRunnableError(describe_unrunnable(bad, getattr(device, "name", "the target")), bad)
 

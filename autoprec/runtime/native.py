@@ -33,12 +33,7 @@ import torch
 from torch import nn
 
 from autoprec.hardware.program import region_of
-from autoprec.hardware.runnability import (
-    NotRunnableError,
-    describe_unrunnable,
-    layer_kind,
-    runnability,
-)
+from autoprec.hardware.runnability import LayerShape, refuse, unrunnable
 from autoprec.precision import Precision, mx_io_format
 
 __all__ = [
@@ -82,17 +77,9 @@ def check_native(layers: Mapping[str, tuple[nn.Module, Precision]], device: Any)
     Raises:
         NotRunnableError: one line naming the layers (the first few) and why.
     """
-    bad = {}
-    for name, (module, precision) in layers.items():
-        features = None
-        if hasattr(module, "in_features") and hasattr(module, "out_features"):
-            features = (int(module.in_features), int(module.out_features))
-        kind = layer_kind(type(module).__name__)
-        verdict = runnability(kind, precision, device, features=features)
-        if not verdict.runnable:
-            bad[name or "<model>"] = f"{precision.value}: {verdict.reason}"
-    if bad:
-        raise NotRunnableError(describe_unrunnable(bad, device.name), bad)
+    shapes = {name or "<model>": LayerShape.of_module(m) for name, (m, _) in layers.items()}
+    precisions = {name or "<model>": p for name, (_, p) in layers.items()}
+    refuse(unrunnable(precisions, device, shapes), device)
 
 
 def region_dtype(precisions: Iterable[Precision]) -> torch.dtype | None:
