@@ -332,20 +332,21 @@ class CostModel:
         optimizer_s = self._memory_s(OPTIMIZER_BYTES_PER_PARAM[opt] * params, len(table.rows))
         if _unscales(policy, lambda: {row.name: precision_for(row.name) for row in table.rows}):
             optimizer_s += self._memory_s(UNSCALE_BYTES_PER_PARAM * params, 1)
-        forward_s = sum(c.forward_s for c in layers)
-        backward_s = sum(c.backward_s for c in layers)
-        step_s = forward_s + backward_s + optimizer_s + cast_s + other_s + layout_s
+        seconds = {  # the step's time by part, in the order they add up
+            "forward_s": sum(c.forward_s for c in layers),
+            "backward_s": sum(c.backward_s for c in layers),
+            "optimizer_s": optimizer_s,
+            "cast_s": cast_s,
+            "other_s": other_s,
+            "layout_s": layout_s,
+        }
+        step_s = sum(seconds.values())
         memory = _memory(opt, params, low_weights, activations)
         return StepEstimate(
             device=self.device.name,
             batch_size=batch,
             step_time_s=step_s,
-            forward_s=forward_s,
-            backward_s=backward_s,
-            optimizer_s=optimizer_s,
-            cast_s=cast_s,
-            other_s=other_s,
-            layout_s=layout_s,
+            **seconds,
             throughput=batch / step_s,
             memory_bytes=sum(memory.values()),
             memory=memory,
