@@ -195,9 +195,9 @@ def main() -> None:
     header = provenance(invocation(__file__)) + (
         f"Target {args.target}; torchvision models at 32x32; a fresh cache folder per model and "
         f"dataset. Evaluator defaults: {cfg.warm_start_steps} fp32 warm-start steps (SGD lr "
-        f"{cfg.lr:g}, momentum 0.9) at batch {cfg.batch_size}; `short` = {copies['short']} "
-        f"fine-tune(s) of {budget['short']} steps, `full` = {copies['full']} of "
-        f"{budget['full']} (averaged), at batch {cfg.batch_size}, SGD lr "
+        f"{cfg.recipe.lr:g}, momentum 0.9) at batch {cfg.recipe.batch_size}; `short` = "
+        f"{copies['short']} fine-tune(s) of {budget['short']} steps, `full` = {copies['full']} of "
+        f"{budget['full']} (averaged), at batch {cfg.recipe.batch_size}, SGD lr "
         f"{cfg.resolved_finetune_lr:g}, momentum {cfg.momentum:g}; scored by the loss over the "
         "whole training split with the policy applied. The surrogate's sensitivity table is "
         "measured on the same warm start. The random policies' evaluations ran "

@@ -209,18 +209,11 @@ def score_split(
     model: torch.nn.Module, spec: Any, data: Any, split: str, device: Any = None
 ) -> tuple[float, float]:
     """Mean loss and accuracy of ``model`` over a data split, in eval mode (as the evaluator
-    scores a policy: whatever policy is applied stays applied); back in train mode after."""
-    model.eval()
-    loss = correct = count = 0.0
-    for x, y in data.loader(split, batch_size=256, shuffle=False):
-        if device is not None:
-            x, y = x.to(device), y.to(device)
-        out = model(x)
-        loss += float(spec.loss(out, y)) * len(x)
-        correct += float((spec.logits(out).argmax(-1) == y).sum())
-        count += len(x)
-    model.train()
-    return loss / count, correct / count
+    scores a policy: whatever policy is applied stays applied); back in train mode after: the
+    one split scorer, :func:`autoprec.training.trainer.score_split`."""
+    from autoprec.training.trainer import score_split as score
+
+    return score(model, spec, data, split, device)
 
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

@@ -89,10 +89,10 @@ def main(argv: list[str] | None = None) -> None:
             seeds=tuple(range(args.seeds)),
             dataset=args.dataset,
             image_size=size,
-            lr=args.lr or float(policy.provenance.get(WARM_START_LR, VerifyConfig.lr)),
+            lr=args.lr or float(policy.provenance.get(WARM_START_LR, VerifyConfig().recipe.lr)),
         )
         result = verify(policy, model, config)
-        rates.add(f"{config.lr:g}")
+        rates.add(f"{config.recipe.lr:g}")
         save_policy(policy.replace(verification=result.section()), path)  # as the CLI does
         for arm in result.arms:
             is_policy = arm.arm == "policy"

@@ -36,8 +36,11 @@ def flag(field: str) -> str:
     return "--" + field.replace("_", "-")
 
 
-def recipe_options(command: F) -> F:
-    """Add the recipe's options to a click command (each None unless given)."""
+def recipe_options(command: F | None = None, *, lr_help: str | None = None) -> Any:
+    """Add the recipe's options to a click command (each None unless given); with only
+    ``lr_help`` (what ``--lr`` defaults to for this command), the decorator that does so."""
+    if command is None:
+        return lambda command: recipe_options(command, lr_help=lr_help)
     options = [
         click.option(
             "--optimizer",

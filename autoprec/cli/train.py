@@ -26,6 +26,7 @@ import click
 
 from autoprec.cli._setup import model_shape_options
 from autoprec.cli.mlflow_options import experiment_option, no_mlflow_option, tracking_uri_option
+from autoprec.cli.recipe_options import recipe_from, recipe_options
 from autoprec.defaults import DEFAULT_DATASET, LANGUAGE_MODEL_DATASET
 from autoprec.policy.fields import COMPILED, TARGET_MODES
 
@@ -49,8 +50,7 @@ from autoprec.policy.fields import COMPILED, TARGET_MODES
 @click.option("--steps", type=int, default=None, help="Optimizer steps in total.")
 @click.option("--epochs", type=int, default=None, help="Epochs in total (default 1).")
 @click.option("--batch-size", type=int, default=32, show_default=True, help="Per process.")
-@click.option("--lr", type=float, default=0.05, show_default=True)
-@click.option("--momentum", type=float, default=0.9, show_default=True)
+@recipe_options
 @click.option(
     "--grad-accum", type=int, default=1, show_default=True, help="Micro-batches per step."
 )
@@ -73,142 +73,142 @@ from autoprec.policy.fields import COMPILED, TARGET_MODES
 @no_mlflow_option("the run")
 @tracking_uri_option
 @experiment_option
-def train(
-    model_name: str,
-    policy_file: str,
-    dataset: str | None,
-    data_dir: str | None,
-    num_classes: int,
-    image_size: int | None,
-    steps: int | None,
-    epochs: int | None,
-    batch_size: int,
-    lr: float,
-    momentum: float,
-    grad_accum: int,
-    checkpoint_dir: str | None,
-    checkpoint_every: int | None,
-    device: str | None,
-    mode: str,
-    seed: int,
-    no_mlflow: bool,
-    tracking_uri: str | None,
-    experiment: str | None,
-) -> int:
+def train(**o: Any) -> int:
     """Train a model with a precision policy applied; prints validation every epoch."""
-    if steps is not None and epochs is not None:
+    if o["steps"] is not None and o["epochs"] is not None:
         raise click.UsageError("give --steps or --epochs, not both")
+    from autoprec.cli.interrupt import terminate_as_interrupt
+    from autoprec.training.recipe import DEFAULT_RECIPE
+
+    recipe = recipe_from(o, DEFAULT_RECIPE, o["batch_size"])
+    with terminate_as_interrupt():  # SIGTERM is Ctrl-C; in training, both wait for a step
+        spec, data, policy = _prepare(o)
+        return _run(o, spec, data, policy, recipe)
+
+
+def _prepare(o: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """The checks that come first, then the policy, the model and the data; the first line."""
     import torch
 
-    import autoprec
     from autoprec.cli._setup import check_writable
-    from autoprec.cli.interrupt import stop_at_boundary, terminate_as_interrupt
-    from autoprec.cli.search_progress import console
-    from autoprec.cli.sensitivity_progress import sensitivity_progress
     from autoprec.data import load_dataset_for
     from autoprec.models import load_model
     from autoprec.policy.io import load_policy
-    from autoprec.tracking import TrainTracker
     from autoprec.training.checks import TrainConfigError, check_seed
+    from autoprec.training.run import dist_env
+
+    check_seed(o["seed"])
+    if o["checkpoint_dir"] is not None:  # a read-only or full disk: now, not after an epoch
+        folder = Path(o["checkpoint_dir"])  # its nearest existing folder: nothing made yet
+        check_writable([next(p for p in (folder, *folder.parents) if p.exists())], TrainConfigError)
+    policy = load_policy(o["policy_file"])
+    torch.manual_seed(o["seed"])  # the same initial weights in every process and every run
+    spec = load_model(o["model_name"], num_classes=o["num_classes"], image_size=o["image_size"])
+    data = load_dataset_for(spec, o["dataset"], root=o["data_dir"], seed=o["seed"])
+    rank, world, _ = dist_env()
+    if rank == 0:
+        steps, epochs = o["steps"], o["epochs"]
+        length = f"{steps} steps" if steps is not None else f"{epochs or 1} epoch(s)"
+        click.echo(
+            f"training {spec.name} on {data.name} with {o['policy_file']} (default "
+            f"{policy.default.value}, {len(policy.layers)} layer entries): {length}, batch "
+            f"{o['batch_size']} x {o['grad_accum']} accumulation, world size {world}"
+        )
+    return spec, data, policy
+
+
+def _tracker(o: dict[str, Any], spec: Any, data: Any, policy: Any, recipe: Any) -> Any:
+    """The MLflow run of the training (on rank 0, unless ``--no-mlflow``), its settings as
+    params (the recipe's fields among them)."""
+    import torch
+
+    import autoprec
+    from autoprec.tracking import TrainTracker
+    from autoprec.training.run import dist_env
+
+    rank, world, _ = dist_env()
+    steps, epochs, policy_file = o["steps"], o["epochs"], o["policy_file"]
+    length_param = {"steps": steps} if steps is not None else {"epochs": epochs or 1}
+    return TrainTracker(
+        enabled=not o["no_mlflow"] and rank == 0,
+        tracking_uri=o["tracking_uri"],
+        experiment=o["experiment"] or f"autoprec/{spec.name}",
+        run_name=f"train-{spec.name}-{os.path.splitext(os.path.basename(policy_file))[0]}",
+        tags={"autoprec.kind": "train", "autoprec.model": spec.name},
+        params={
+            "model": spec.name,
+            "dataset": data.name,
+            "policy_file": os.path.abspath(policy_file),
+            "policy_digest": policy.digest(),
+            "policy_default": policy.default.value,
+            "search_run_id": policy.provenance.get("mlflow_run_id", ""),
+            **length_param,
+            **recipe.to_dict(),  # batch_size, lr, momentum, optimizer, schedule, ...
+            "grad_accum": o["grad_accum"],
+            "world_size": world,
+            "mode": o["mode"],
+            "device": o["device"] or "auto",
+            "seed": o["seed"],
+            "checkpoint_dir": o["checkpoint_dir"] or "",
+            "autoprec_version": autoprec.__version__,
+            "torch_version": torch.__version__,
+        },
+        artifacts=[policy_file],
+        echo=click.echo,
+    )
+
+
+def _run(o: dict[str, Any], spec: Any, data: Any, policy: Any, recipe: Any) -> int:
+    """Train with progress, validation lines and tracking; the exit status."""
+    from autoprec.cli.interrupt import stop_at_boundary
+    from autoprec.cli.search_progress import console
+    from autoprec.cli.sensitivity_progress import sensitivity_progress
     from autoprec.training.run import dist_env
     from autoprec.training.run import train as run
 
-    with terminate_as_interrupt():  # SIGTERM is Ctrl-C; in training, both wait for a step
-        check_seed(seed)
-        if checkpoint_dir is not None:  # a read-only or full disk: now, not after an epoch
-            folder = Path(checkpoint_dir)  # its nearest existing folder: nothing made yet
-            check_writable(
-                [next(p for p in (folder, *folder.parents) if p.exists())], TrainConfigError
-            )
-        policy = load_policy(policy_file)
-        torch.manual_seed(seed)  # the same initial weights in every process and every run
-        spec = load_model(model_name, num_classes=num_classes, image_size=image_size)
-        data = load_dataset_for(spec, dataset, root=data_dir, seed=seed)
-        rank, world, _ = dist_env()
-        if rank == 0:
-            length = f"{steps} steps" if steps is not None else f"{epochs or 1} epoch(s)"
+    rank = dist_env()[0]
+    steps, epochs = o["steps"], o["epochs"]
+    tracking = _tracker(o, spec, data, policy, recipe)
+
+    def log(step: int, metrics: dict[str, float]) -> None:
+        tracking.log(step, metrics)
+        if "train_loss" in metrics:
+            per_epoch = round(step / metrics["epoch"]) if metrics["epoch"] else 1
+            progress("steps", step, steps if steps is not None else (epochs or 1) * per_epoch)
+        if "val_loss" in metrics:
             click.echo(
-                f"training {spec.name} on {data.name} with {policy_file} (default "
-                f"{policy.default.value}, {len(policy.layers)} layer entries): {length}, batch "
-                f"{batch_size} x {grad_accum} accumulation, world size {world}"
+                f"step {step} (epoch {metrics['epoch']:.2f}): val loss "
+                f"{metrics['val_loss']:.4f}, val accuracy {metrics['val_accuracy']:.2%}"
             )
 
-        length_param = {"steps": steps} if steps is not None else {"epochs": epochs or 1}
-        tracking = TrainTracker(
-            enabled=not no_mlflow and rank == 0,
-            tracking_uri=tracking_uri,
-            experiment=experiment or f"autoprec/{spec.name}",
-            run_name=f"train-{spec.name}-{os.path.splitext(os.path.basename(policy_file))[0]}",
-            tags={"autoprec.kind": "train", "autoprec.model": spec.name},
-            params={
-                "model": spec.name,
-                "dataset": data.name,
-                "policy_file": os.path.abspath(policy_file),
-                "policy_digest": policy.digest(),
-                "policy_default": policy.default.value,
-                "search_run_id": policy.provenance.get("mlflow_run_id", ""),
-                **length_param,
-                "batch_size": batch_size,
-                "lr": lr,
-                "momentum": momentum,
-                "grad_accum": grad_accum,
-                "world_size": world,
-                "mode": mode,
-                "device": device or "auto",
-                "seed": seed,
-                "checkpoint_dir": checkpoint_dir or "",
-                "autoprec_version": autoprec.__version__,
-                "torch_version": torch.__version__,
-            },
-            artifacts=[policy_file],
-            echo=click.echo,
-        )
-
-        def log(step: int, metrics: dict[str, float]) -> None:
-            tracking.log(step, metrics)
-            if "train_loss" in metrics:
-                per_epoch = round(step / metrics["epoch"]) if metrics["epoch"] else 1
-                progress("steps", step, steps if steps is not None else (epochs or 1) * per_epoch)
-            if "val_loss" in metrics:
-                click.echo(
-                    f"step {step} (epoch {metrics['epoch']:.2f}): val loss "
-                    f"{metrics['val_loss']:.4f}, val accuracy {metrics['val_accuracy']:.2%}"
-                )
-
-        try:
-            with (
-                sensitivity_progress(console(), f"training {spec.name}") as (progress, _),
-                stop_at_boundary() as stop,  # ... boundary, and a checkpoint there
-            ):
-                result = run(
-                    spec,
-                    data,
-                    policy,
-                    steps=steps,
-                    epochs=epochs,
-                    batch_size=batch_size,
-                    lr=lr,
-                    momentum=momentum,
-                    grad_accum=grad_accum,
-                    checkpoint_dir=checkpoint_dir,
-                    checkpoint_every=checkpoint_every,
-                    device=device,
-                    mode=mode,
-                    seed=seed,
-                    log=log,
-                    stop=stop,
-                )
-            if result.rank == 0:
-                _report(result)
-                tracking.finish(result)
-        except KeyboardInterrupt as err:  # TrainInterrupted, or a second signal
-            tracking.close("KILLED")
-            if rank == 0:
-                click.echo(f"autoprec: {_interrupted(err, checkpoint_dir)}", err=True)
-            return 130
-        except BaseException:
-            tracking.close("FAILED")
-            raise
+    settings = ("steps", "epochs", "grad_accum", "checkpoint_dir", "checkpoint_every", "device")
+    try:
+        with (
+            sensitivity_progress(console(), f"training {spec.name}") as (progress, _),
+            stop_at_boundary() as stop,  # ... boundary, and a checkpoint there
+        ):
+            result = run(
+                spec,
+                data,
+                policy,
+                recipe=recipe,
+                **{name: o[name] for name in settings},
+                mode=o["mode"],
+                seed=o["seed"],
+                log=log,
+                stop=stop,
+            )
+        if result.rank == 0:
+            _report(result)
+            tracking.finish(result)
+    except KeyboardInterrupt as err:  # TrainInterrupted, or a second signal
+        tracking.close("KILLED")
+        if rank == 0:
+            click.echo(f"autoprec: {_interrupted(err, o['checkpoint_dir'])}", err=True)
+        return 130
+    except BaseException:
+        tracking.close("FAILED")
+        raise
     return 0
 
 

@@ -34,6 +34,7 @@ import click
 
 from autoprec.cli._setup import file_option, model_shape_options
 from autoprec.cli.mlflow_options import experiment_option, no_mlflow_option, tracking_uri_option
+from autoprec.cli.recipe_options import RECIPE_OPTIONS, recipe_from, recipe_options
 from autoprec.evaluate.reward import DEFAULT_TOLERANCE
 from autoprec.policy.fields import TARGET_MODES
 from autoprec.verify import DEFAULT_ARMS, WARM_START_LR, VerifyConfig, VerifyError
@@ -60,14 +61,10 @@ SEARCH_VERIFY_SEEDS = 2
     "or precision names for uniform policies.",
 )
 @click.option("--batch-size", type=int, default=32, show_default=True)
-@click.option(
-    "--lr",
-    type=float,
-    default=None,
-    help="SGD rate of every run (default: the rate the search's warm start learnt at, from the "
-    "file's provenance, else 0.05).",
+@recipe_options(
+    lr_help="Peak rate of every run (default: the rate the search's warm start learnt at, from "
+    "the file's provenance, else 0.05)."
 )
-@click.option("--momentum", type=float, default=0.9, show_default=True)
 @click.option(
     "--tolerance",
     type=float,
@@ -95,11 +92,12 @@ SEARCH_VERIFY_SEEDS = 2
 def verify(policy_file: str, **o: Any) -> int:
     """Train POLICY_FILE's policy and the reference arms from scratch and write the verdict."""
     from autoprec.cli.interrupt import terminate_as_interrupt
+    from autoprec.training.recipe import DEFAULT_RECIPE
 
-    names = {f.name for f in dataclasses.fields(VerifyConfig)} - {"seeds", "arms"}
-    given = {name: o[name] for name in names & set(o) if o[name] is not None or name != "lr"}
+    names = {f.name for f in dataclasses.fields(VerifyConfig)} - {"seeds", "arms", "recipe"}
     config = VerifyConfig(
-        **given,
+        **{name: o[name] for name in names & set(o)},
+        recipe=recipe_from(o, DEFAULT_RECIPE, o["batch_size"]),
         seeds=tuple(range(o["seed"], o["seed"] + max(o["seeds"], 0))),
         arms=tuple(o["arms"].split(",")),
     )
@@ -113,7 +111,7 @@ def verify(policy_file: str, **o: Any) -> int:
                 plot=o["plot"],
                 target=o["target"],
                 checkpoint=o["checkpoint"],
-                rate_from_policy=o["lr"] is None,
+                given={name: o[name] for name in RECIPE_OPTIONS},
                 tracking={
                     "enabled": not o["no_mlflow"],
                     "uri": o["tracking_uri"],
@@ -141,7 +139,7 @@ def search_verify_config(evaluator: Any, o: Mapping[str, Any]) -> Any:
 
     shape = evaluator.spec.input_shape
     return VerifyConfig(
-        lr=evaluator.warm_start_lr,
+        recipe=dataclasses.replace(evaluator.config.recipe, lr=evaluator.warm_start_lr),
         steps=SEARCH_VERIFY_STEPS,
         seeds=tuple(range(o["seed"], o["seed"] + SEARCH_VERIFY_SEEDS)),
         tolerance=o["accuracy_tolerance"],
@@ -162,61 +160,48 @@ def run_verification(
     target: str | None = None,
     checkpoint: str | None = None,
     rate_from_policy: bool = False,
+    given: Mapping[str, Any] | None = None,
     tracking: Mapping[str, Any] | None = None,
     echo: Callable[[str], Any] = click.echo,
 ) -> Any:
     """Check the inputs and outputs, verify, write the plot and the policy, print the table.
 
-    ``rate_from_policy``: train at the policy's ``provenance.warm_start_lr`` (the rate the
-    search's warm start learnt at) when it has one, instead of ``config.lr``. ``tracking``:
-    ``enabled``, ``uri`` and ``experiment`` (None: ``autoprec/<model>``). Used by ``autoprec
-    verify`` and ``autoprec search --verify``; returns the ``VerifyResult``.
+    ``given``: the recipe options of the command line (``--optimizer``, ``--lr``, ...; None
+    where not given): every run trains with the recipe the policy was searched with (its
+    provenance, :func:`~autoprec.training.recipe.from_provenance`; else ``config.recipe``),
+    the options given over it, at the rate the search's warm start learnt at
+    (``provenance.warm_start_lr``) unless ``--lr`` was given. ``rate_from_policy`` (without
+    ``given``): only that rate, over ``config.recipe``. ``tracking``: ``enabled``, ``uri`` and
+    ``experiment`` (None: ``autoprec/<model>``). Used by ``autoprec verify`` and ``autoprec
+    search --verify``; returns the ``VerifyResult``.
     """
     from autoprec.cli._setup import check_writable, resolve_target
-    from autoprec.cli.interrupt import stop_at_boundary
-    from autoprec.cli.search_progress import console
-    from autoprec.cli.sensitivity_progress import sensitivity_progress
     from autoprec.hardware import get_device
-    from autoprec.models import load_model
-    from autoprec.policy.io import load_policy, policy_format
-    from autoprec.tracking import VerifyTracker
-    from autoprec.verify import verify as run
+    from autoprec.policy.io import policy_format
 
     out = Path(out if out is not None else policy_file)
     plot = Path(plot) if plot is not None else out.with_name(f"{out.stem}.curves.png")
     policy_format(out)  # a suffix it cannot write is an error now, not after the training
     check_writable([out.resolve().parent, plot.resolve().parent], VerifyError)
-    policy = load_policy(policy_file)
-    spec = load_model(model_name, num_classes=config.num_classes, image_size=config.image_size)
-    made_for = policy.model.name if policy.model is not None else None
-    if made_for and made_for != spec.name:
-        raise VerifyError(
-            f"{policy_file} was made for model {made_for!r}, not {spec.name!r}; verify it with "
-            f"--model {made_for}"
-        )
-    searched_rate = policy.provenance.get(WARM_START_LR)
-    if rate_from_policy and searched_rate is not None:
-        try:
-            config = dataclasses.replace(config, lr=float(searched_rate))
-        except ValueError:
-            raise VerifyError(
-                f"{policy_file}: provenance.{WARM_START_LR} must be a number, got {searched_rate!r}"
-            ) from None
-    report = policy.validate(spec.module)
-    if not report.ok:
-        raise VerifyError(f"{policy_file} does not fit {spec.name}: {'; '.join(report.problems)}")
+    policy, spec = _policy_and_model(policy_file, model_name, config)
+    if given is not None or rate_from_policy:
+        config = _searched_recipe(policy, policy_file, config, given)
     if target is None and policy.target is not None and policy.target.device:
         target = policy.target.device
     device = get_device(target) if target is not None else resolve_target(None)[0]
 
     length = config.length
     shown = f"{length['steps']} steps" if "steps" in length else f"{length['epochs']} epoch(s)"
+    recipe = config.recipe
     echo(
         f"verifying {policy_file} on {spec.name}: policy, {', '.join(config.arms)} x "
-        f"{len(config.seeds)} seeds, {shown}, batch {config.batch_size}, lr {config.lr:g}, AMP "
-        f"of {device.name}"
+        f"{len(config.seeds)} seeds, {shown}, batch {recipe.batch_size}, "
+        + ("" if recipe.optimizer == "sgd" else f"{recipe.optimizer} ")
+        + f"lr {recipe.lr:g}, AMP of {device.name}"
     )
     tracking = dict(tracking or {"enabled": False})
+    from autoprec.tracking import VerifyTracker
+
     tracker = VerifyTracker(
         enabled=bool(tracking.get("enabled")),
         tracking_uri=tracking.get("uri"),
@@ -227,6 +212,79 @@ def run_verification(
         length=str(length.get("steps") or f"{length['epochs']} epochs"),
         echo=echo,
     )
+    result = _verify_runs(policy, model_name, config, device, checkpoint, tracker, echo)
+    for line in table(result):  # the verdict first: no file that fails to write can lose it
+        echo(line)
+    title = f"{spec.name} on {result.dataset}: {out.name} ({result.verdict})"
+    drawn = _write_plot(plot, result, title)
+    failure = _write_policy(policy.replace(verification=result.section()), out)
+    written = ([] if failure else [out]) + ([drawn] if drawn else [])
+    tracker.finish(result, artifacts=written)
+    if failure is not None:
+        raise VerifyError(failure)
+    echo(f"written: {out} (verification section)" + (f", {drawn}" if drawn else ""))
+    return result
+
+
+def _policy_and_model(policy_file: str | Path, model_name: str, config: VerifyConfig) -> Any:
+    """The policy file and the model it is verified on, once they are known to fit."""
+    from autoprec.models import load_model
+    from autoprec.policy.io import load_policy
+
+    policy = load_policy(policy_file)
+    spec = load_model(model_name, num_classes=config.num_classes, image_size=config.image_size)
+    made_for = policy.model.name if policy.model is not None else None
+    if made_for and made_for != spec.name:
+        raise VerifyError(
+            f"{policy_file} was made for model {made_for!r}, not {spec.name!r}; verify it with "
+            f"--model {made_for}"
+        )
+    report = policy.validate(spec.module)
+    if not report.ok:
+        raise VerifyError(f"{policy_file} does not fit {spec.name}: {'; '.join(report.problems)}")
+    return policy, spec
+
+
+def _searched_recipe(
+    policy: Any, policy_file: str | Path, config: VerifyConfig, given: Mapping[str, Any] | None
+) -> VerifyConfig:
+    """``config`` with the recipe the policy was searched with, the options ``given`` over
+    it (None: only the searched rate over ``config.recipe``; see :func:`run_verification`)."""
+    from autoprec.training.recipe import from_provenance
+
+    recipe = config.recipe
+    if given is not None:
+        searched = from_provenance(policy.provenance)
+        if searched is not None:
+            batch = {"batch_size": recipe.batch_size}  # --batch-size: always given
+            recipe = recipe_from(given, dataclasses.replace(searched, **batch))
+    searched_rate = policy.provenance.get(WARM_START_LR)
+    if (given is None or given.get("lr") is None) and searched_rate is not None:
+        try:
+            recipe = dataclasses.replace(recipe, lr=float(searched_rate))
+        except ValueError:
+            raise VerifyError(
+                f"{policy_file}: provenance.{WARM_START_LR} must be a number, got {searched_rate!r}"
+            ) from None
+    return dataclasses.replace(config, recipe=recipe)
+
+
+def _verify_runs(
+    policy: Any,
+    model_name: str,
+    config: VerifyConfig,
+    device: Any,
+    checkpoint: str | None,
+    tracker: Any,
+    echo: Callable[[str], Any],
+) -> Any:
+    """The verification's runs with their progress line; an interrupted one is a
+    :class:`VerifyInterrupted` saying which runs finished."""
+    from autoprec.cli.interrupt import stop_at_boundary
+    from autoprec.cli.search_progress import console
+    from autoprec.cli.sensitivity_progress import sensitivity_progress
+    from autoprec.verify import verify as run
+
     callback = _Echo(tracker, echo, config)
     stop = None
     try:
@@ -234,7 +292,7 @@ def run_verification(
             stop_at_boundary() as stop,  # SIGTERM and Ctrl-C stop at a step boundary
             sensitivity_progress(console(), "verify") as (callback.progress, _),
         ):
-            result = run(
+            return run(
                 policy,
                 model_name,
                 config,
@@ -249,17 +307,6 @@ def run_verification(
     except BaseException:
         tracker.close("FAILED")
         raise
-    for line in table(result):  # the verdict first: no file that fails to write can lose it
-        echo(line)
-    title = f"{spec.name} on {result.dataset}: {out.name} ({result.verdict})"
-    drawn = _write_plot(plot, result, title)
-    failure = _write_policy(policy.replace(verification=result.section()), out)
-    written = ([] if failure else [out]) + ([drawn] if drawn else [])
-    tracker.finish(result, artifacts=written)
-    if failure is not None:
-        raise VerifyError(failure)
-    echo(f"written: {out} (verification section)" + (f", {drawn}" if drawn else ""))
-    return result
 
 
 def _write_plot(plot: Path, result: Any, title: str) -> Path | None:
@@ -437,9 +484,7 @@ def _params(
         "arms": ",".join(config.arms),
         "seeds": ",".join(map(str, config.seeds)),
         **config.length,
-        "batch_size": config.batch_size,
-        "lr": config.lr,
-        "momentum": config.momentum,
+        **config.recipe.to_dict(),  # batch_size, lr, momentum, optimizer, schedule, ...
         "tolerance": config.tolerance,
         "target": target,
         "mode": config.mode,

@@ -15,11 +15,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import InitVar, dataclass, field, replace
 from typing import Any
 
 from autoprec.training.pretrain import BACKOFF_SETTINGS
-from autoprec.training.recipe import TrainingRecipe
+from autoprec.training.recipe import (
+    DEFAULT_RECIPE,
+    TrainingRecipe,
+    differs_from_default,
+    fold_aliases,
+)
 
 FIDELITIES = ("short", "full", "surrogate")
 SHORT_STEPS = 10
@@ -37,7 +42,7 @@ REPLICATE_SEED_STRIDE = 10_000  # replicate r of seed s fine-tunes on batches of
 # formats that barely round (tf32, fp16) stay close to fp32 (experiments/study_short_fidelity.py,
 # docs/benchmarks.md). AdamW keeps its betas and takes the same fifth of its rate.
 FINETUNE_RATE_DIVISOR = 5
-FINETUNE_LR = TrainingRecipe().lr / FINETUNE_RATE_DIVISOR  # 0.01, the default recipe's
+FINETUNE_LR = DEFAULT_RECIPE.lr / FINETUNE_RATE_DIVISOR  # 0.01, the default recipe's
 FINETUNE_MOMENTUM = 0.0
 
 
@@ -75,8 +80,8 @@ class EvaluatorConfig:
             weight decay, warm-up and schedule, batch size), the fine-tunes with its optimizer
             and batch size at the fine-tuning rate.
         batch_size: an alias of ``recipe.batch_size`` (examples per fine-tuning and
-            warm-start step); given, it replaces the recipe's. Read ``recipe.batch_size``:
-            the alias itself is None once the config is made.
+            warm-start step): given, it replaces the recipe's (read ``recipe.batch_size``; see
+            :func:`~autoprec.training.recipe.fold_aliases`).
         lr: an alias of ``recipe.lr`` (the warm start's peak rate), as ``batch_size``.
         finetune_lr: the learning rate while fine-tuning under a policy; None: a fifth of
             ``recipe.lr`` (:data:`FINETUNE_RATE_DIVISOR`; 0.01 for the default recipe).
@@ -99,8 +104,8 @@ class EvaluatorConfig:
     steps: int | None = None
     replicates: int | None = None
     recipe: TrainingRecipe = field(default_factory=TrainingRecipe)
-    batch_size: int | None = None
-    lr: float | None = None
+    batch_size: InitVar[int | None] = None
+    lr: InitVar[float | None] = None
     finetune_lr: float | None = None
     momentum: float = FINETUNE_MOMENTUM
     warm_start_steps: int = 200
@@ -109,13 +114,9 @@ class EvaluatorConfig:
     cost_batch_size: int | None = None
     target_mode: str = "native"
 
-    def __post_init__(self) -> None:
-        aliases = {name: getattr(self, name) for name in ("lr", "batch_size")}
-        given = {name: value for name, value in aliases.items() if value is not None}
-        if given:  # folded into the recipe (checked there), so that the recipe is the one home
-            object.__setattr__(self, "recipe", replace(self.recipe, **given))
-            for name in given:
-                object.__setattr__(self, name, None)
+    def __post_init__(self, batch_size: int | None, lr: float | None) -> None:
+        # the aliases join the recipe (checked there): the recipe is their one home
+        object.__setattr__(self, "recipe", fold_aliases(self.recipe, batch_size=batch_size, lr=lr))
         if self.target_mode not in ("native", "emulate"):
             raise ValueError(f"target_mode must be native or emulate, got {self.target_mode!r}")
         check_fidelity(self.fidelity)
@@ -144,6 +145,19 @@ class EvaluatorConfig:
             return self.recipe.lr / FINETUNE_RATE_DIVISOR
         return self.finetune_lr
 
+    def finetune_recipe(self, lr_scale: float = 1.0) -> TrainingRecipe:
+        """The recipe of a fine-tune under a policy: the recipe's optimizer and batch size at
+        :attr:`resolved_finetune_lr` times ``lr_scale`` (the warm start's back-off), SGD's
+        momentum :attr:`momentum`, at a constant rate (a fine-tune continues a training that
+        is past its warm-up; its few steps are too short for a schedule)."""
+        return replace(
+            self.recipe,
+            lr=self.resolved_finetune_lr * lr_scale,
+            momentum=self.momentum,
+            warmup_steps=0,
+            schedule="constant",
+        )
+
     @property
     def resolved_batch_seed(self) -> int:
         """The seed of the fine-tuning batches (``seed`` when ``batch_seed`` is None)."""
@@ -166,9 +180,9 @@ class EvaluatorConfig:
             "batch_size": self.recipe.batch_size,
             "backoff": BACKOFF_SETTINGS,
         }
-        rest = {"lr": self.recipe.lr, "batch_size": self.recipe.batch_size}
-        if replace(self.recipe, **rest) != replace(TrainingRecipe(), **rest):
-            settings["recipe"] = self.recipe.to_dict()
+        recipe = differs_from_default(self.recipe, "lr", "batch_size")
+        if recipe is not None:
+            settings["recipe"] = recipe
         return settings
 
     def canonical(self) -> dict[str, Any]:

@@ -4,7 +4,10 @@ A run is every replicate of one fidelity: each fine-tunes a fresh copy of the wa
 batches of its own, with the policy applied, and is scored with the policy still applied (the
 loss over the whole training split, loss and accuracy on the validation split). Step time and
 peak memory are measured with CUDA events when the evaluator measures (the target is this
-machine's GPU). Nothing here raises for a bad policy: a non-finite loss, an exception in
+machine's GPU). The steps, the divergence rule (the first inf/NaN loss diverges a fine-tune),
+the timing and the scoring are the one trainer's (:mod:`autoprec.training.trainer`); the
+optimizer is the recipe's at the fine-tuning rate (:meth:`EvaluatorConfig.finetune_recipe`).
+Nothing here raises for a bad policy: a non-finite loss, an exception in
 training or running out of memory marks the run diverged.
 """
 
@@ -26,11 +29,11 @@ from torch import nn
 from autoprec.evaluate.config import REPLICATE_SEED_STRIDE, EvaluatorConfig
 from autoprec.policy import PrecisionPolicy
 from autoprec.runtime import LossScaler, apply_policy
+from autoprec.training.trainer import SCORE_BATCH, Trainer, score_split
+
+__all__ = ["SCORE_BATCH", "FineTuneRun", "FineTuner"]
 
 log = logging.getLogger(__name__)
-
-SCORE_BATCH = 256
-WARMUP_STEPS = 2  # steps not timed: the first ones warm up kernels and the allocator
 
 
 @dataclass
@@ -96,12 +99,9 @@ class FineTuner:
             try:
                 handle = apply_policy(model, policy, mode=mode)
                 scaler = LossScaler.from_config(policy.loss_scaling, device=dev)
-                opt = torch.optim.SGD(
-                    model.parameters(),
-                    lr=cfg.resolved_finetune_lr * lr_scale,
-                    momentum=cfg.momentum,
-                )
-                times += self._fine_tune(model, batches, opt, scaler, run)
+                opt = cfg.finetune_recipe(lr_scale).make_optimizer(model.parameters())
+                trainer = Trainer(self.spec, model, opt, scaler, dev, timed=self.measured)
+                times += self._fine_tune(trainer, batches, run)
                 run.loss_scale = scaler.summary()
                 if not run.diverged:
                     losses.append(self.score_split(model, "train")[0])
@@ -137,51 +137,21 @@ class FineTuner:
 
     def _fine_tune(
         self,
-        model: nn.Module,
+        trainer: Trainer,
         batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
-        opt: torch.optim.Optimizer,
-        scaler: LossScaler,
         run: FineTuneRun,
     ) -> list[float]:
-        """SGD on ``batches``; the timed steps' seconds (measured runs only). A non-finite
-        loss stops it and marks ``run`` diverged."""
-        dev = self.device
-        model.train()
-        times: list[float] = []
+        """The steps on ``batches``; the timed steps' seconds (measured runs only). An inf/NaN
+        loss stops it and marks ``run`` diverged (the trainer's rule, allowing no skip)."""
         if self.measured:
-            torch.cuda.reset_peak_memory_stats(dev)
-        for i, (x, y) in enumerate(batches):
-            x, y = x.to(dev), y.to(dev)
-            if self.measured:
-                begin = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
-                begin.record()
-            opt.zero_grad(set_to_none=True)
-            loss = self.spec.loss(model(x), y)
-            if not torch.isfinite(loss.detach()):
+            torch.cuda.reset_peak_memory_stats(self.device)
+        for batch in batches:
+            if trainer.verdict(trainer.step([batch])) is not None:
                 run.diverged = True
                 break
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            if self.measured:
-                end.record()
-                torch.cuda.synchronize(dev)
-                if i >= WARMUP_STEPS:
-                    times.append(begin.elapsed_time(end) / 1e3)
-        return times
+        return trainer.step_times
 
-    @torch.no_grad()
     def score_split(self, model: nn.Module, split: str) -> tuple[float, float]:
-        """Mean loss and accuracy over ``split``, in eval mode, policy applied."""
-        model.eval()
-        total_loss = correct = count = labels = 0.0
-        for x, y in self.data.loader(split, batch_size=SCORE_BATCH, shuffle=False):
-            x, y = x.to(self.device), y.to(self.device)
-            out = model(x)
-            total_loss += float(self.spec.loss(out, y)) * len(x)
-            count += len(x)
-            pred = self.spec.logits(out).argmax(-1)
-            correct += float((pred == y).sum())
-            labels += y.numel()
-        return total_loss / max(count, 1), correct / max(labels, 1)
+        """Mean loss and accuracy over ``split``, in eval mode, policy applied
+        (:func:`autoprec.training.trainer.score_split`)."""
+        return score_split(model, self.spec, self.data, split, self.device)

@@ -104,8 +104,9 @@ class WarmStart:
         return self._lr / self.config.recipe.lr
 
     def _train(self, progress: Any = None) -> dict[str, torch.Tensor]:
-        """``warm_start_steps`` fp32 SGD steps (momentum 0.9) from the spec's weights, at the
-        configured rate or a backed-off one; the rate is saved under :data:`LR_KEY`."""
+        """``warm_start_steps`` fp32 steps of the recipe (SGD at 0.05 with momentum 0.9 by
+        default) from the spec's weights, at the recipe's rate or a backed-off one; the rate is
+        saved under :data:`LR_KEY`."""
         cfg = self.config
         torch.manual_seed(cfg.seed)
         model = copy.deepcopy(self.spec.module).cpu()
@@ -118,6 +119,7 @@ class WarmStart:
             cfg.seed,
             what=WHAT,
             progress=progress,
+            recipe=cfg.recipe,
         )
         note = backoff_note(WHAT, self.attempts)
         if note is not None:

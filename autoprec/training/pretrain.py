@@ -1,4 +1,4 @@
-"""fp32 SGD training from fresh weights that backs off until it learns.
+"""fp32 training from fresh weights that backs off until it learns.
 
 Both fp32 pre-trainings of autoprec use it: the evaluator's warm start (every evaluation
 fine-tunes from it) and the few steps before ``autoprec analyze`` measures sensitivities. A
@@ -10,6 +10,11 @@ whose windowed loss (:data:`LOSS_WINDOW` steps) turns non-finite or climbs past
 began (judged on runs of at least two windows); it is retried from the same weights at
 ``1 / LR_BACKOFF`` of the rate, up to :data:`MAX_BACKOFFS` times. Models that learn at the
 given rate train exactly as a plain loop would.
+
+Each attempt trains with the user's recipe (:class:`~autoprec.training.recipe.TrainingRecipe`:
+its optimizer, weight decay, warm-up and schedule over the attempt's steps) at the attempt's
+rate, through the one trainer (:mod:`autoprec.training.trainer`: its divergence rule, allowing
+no skipped step, stops an attempt at the first inf/NaN loss, before its backward pass).
 """
 
 from __future__ import annotations
@@ -19,8 +24,10 @@ import itertools
 import math
 import statistics
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
+
+from autoprec.training.recipe import DEFAULT_RECIPE, TrainingRecipe
 
 if TYPE_CHECKING:  # pragma: no cover - torch is imported where training runs
     import torch
@@ -72,19 +79,24 @@ def train_fp32(
     strict: bool = True,
     what: str = "fp32 training",
     progress: Callable[[str, int, int], None] | None = None,
+    recipe: TrainingRecipe | None = None,
 ) -> list[Attempt]:
-    """Train ``model`` in place for ``steps`` fp32 SGD steps at ``lr``, backing off until it
+    """Train ``model`` in place for ``steps`` fp32 steps at ``lr``, backing off until it
     learns (see the module's docstring).
 
     Args:
         batches: a fresh iterator of ``(x, y)`` batches (called once per attempt).
+        lr: the first attempt's rate (the recipe's own ``lr`` is not used).
         seed: ``torch.manual_seed`` before each attempt (so the first attempt is exactly the
             plain loop's, and each retry is reproducible).
+        momentum: SGD's momentum when no ``recipe`` is given.
 
         strict: raise when no rate learns (else return, the last attempt's weights kept).
         what: what is trained, as the error names it.
         progress: ``progress(stage, done, total)`` after each step (``done`` of ``steps``;
             ``stage`` names the attempt's rate), and with ``done`` 0 as each attempt starts.
+        recipe: the optimizer, weight decay, warm-up and schedule (None: SGD with
+            ``momentum``, at a constant rate).
 
     Returns:
         Every attempt; the last one's weights are in ``model`` (it learnt, unless ``strict`` is
@@ -95,6 +107,8 @@ def train_fp32(
     """
     import torch
 
+    if recipe is None:
+        recipe = replace(DEFAULT_RECIPE, momentum=momentum)
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
     attempts: list[Attempt] = []
     for retry in range(MAX_BACKOFFS + 1):
@@ -105,7 +119,7 @@ def train_fp32(
         stage = f"lr {rate:g}" + (f" (retry {retry} of {MAX_BACKOFFS})" if retry else "")
         report = functools.partial(progress or (lambda stage, done, total: None), stage)
         report(0, steps)
-        attempts.append(_attempt(model, loss, batches(), steps, rate, momentum, report))
+        attempts.append(_attempt(model, loss, batches(), steps, rate, recipe, report))
         if steps <= 0 or attempts[-1].learned:
             return attempts
     if not strict:
@@ -123,29 +137,40 @@ def _attempt(
     batches: Iterable[Any],
     steps: int,
     lr: float,
-    momentum: float,
+    recipe: TrainingRecipe,
     report: Callable[[int, int], None] = lambda done, total: None,
 ) -> Attempt:
     """One run of at most ``steps`` steps, stopped as soon as it diverges; ``report(done,
     steps)`` after each."""
     import torch
 
+    from autoprec.runtime import LossScaler
+    from autoprec.training.trainer import Trainer
+
     model.train()
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    opt = recipe.make_optimizer(model.parameters(), lr=lr)
+    schedule = None if recipe.constant_rate else recipe.make_schedule(opt, steps)
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    fp32 = LossScaler.from_config(None, device=device)  # disabled: plain steps
+    trainer = Trainer(_Loss(loss), model, opt, fp32, device, schedule=schedule)
     losses: list[float] = []
-    for x, y in itertools.islice(itertools.cycle(batches), steps):
-        opt.zero_grad(set_to_none=True)
-        value = loss(model(x), y)
-        value.backward()
-        opt.step()
-        losses.append(float(value.detach()))
+    for batch in itertools.islice(itertools.cycle(batches), steps):
+        losses.append(trainer.step([batch]))
         report(len(losses), steps)
         window = statistics.fmean(losses[-LOSS_WINDOW:])
-        if not math.isfinite(window) or window > DIVERGED_FACTOR * losses[0]:
+        stop = trainer.verdict(losses[-1]) is not None or not math.isfinite(window)
+        if stop or window > DIVERGED_FACTOR * losses[0]:
             return Attempt(lr, losses[0], window, len(losses), diverged=True)
     if not losses:
         return Attempt(lr, math.nan, math.nan, 0, diverged=False)
     return Attempt(lr, losses[0], statistics.fmean(losses[-LOSS_WINDOW:]), steps, False)
+
+
+@dataclass(frozen=True)
+class _Loss:
+    """A spec of only a loss, for the trainer's step."""
+
+    loss: Callable[[Any, Any], Any]
 
 
 def backoff_note(what: str, attempts: list[Attempt]) -> str | None:

@@ -2,7 +2,10 @@
 
 The policy is checked against the model first (a policy made for another model is refused), then
 applied with :func:`~autoprec.runtime.apply_policy` and its loss scaling
-(:class:`~autoprec.runtime.LossScaler`). Plain SGD with momentum, gradient accumulation,
+(:class:`~autoprec.runtime.LossScaler`). The user's recipe
+(:class:`~autoprec.training.recipe.TrainingRecipe`: SGD with momentum or AdamW, warm-up and
+schedule; by default SGD at 0.05 with momentum 0.9), steps of the one trainer
+(:mod:`autoprec.training.trainer`) and its divergence rule, gradient accumulation,
 validation at every epoch end, atomic checkpoints that a later run resumes from, and DDP when
 launched by ``torchrun``.
 
@@ -37,6 +40,7 @@ import math
 import os
 import time
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,7 +74,24 @@ from autoprec.training.checks import (
     pick_mode,
 )
 from autoprec.training.distributed import StopFn, any_rank, dist_env, leave_group, sum_over_ranks
-from autoprec.training.loop import LogFn, TrainLoop
+from autoprec.training.recipe import (
+    DEFAULT_RECIPE,
+    TrainingRecipe,
+    differs_from_default,
+    fold_aliases,
+)
+from autoprec.training.trainer import (
+    NONFINITE_LOSS,
+    NONFINITE_WEIGHTS,
+    TRAIN_SKIPS,
+    Batch,
+    DivergenceRule,
+    Trainer,
+    gather,
+)
+
+#: ``log(step, metrics)``, told each step's and each validation's figures on rank 0.
+LogFn = Callable[[int, dict[str, float]], None]
 
 __all__ = [
     "CHECKPOINT_NAME",
@@ -88,7 +109,7 @@ __all__ = [
 
 # Steps in a row with an inf/NaN loss after which a run with loss scaling is diverged: the
 # scaler skips each, but a loss that overflows in the forward pass stays so at any scale.
-NONFINITE_STEPS = 20
+NONFINITE_STEPS = TRAIN_SKIPS
 
 
 class TrainDivergedError(ValueError):
@@ -179,9 +200,10 @@ def train(
     *,
     steps: int | None = None,
     epochs: int | None = None,
-    batch_size: int = 32,
-    lr: float = 0.05,
-    momentum: float = 0.9,
+    recipe: TrainingRecipe | None = None,
+    batch_size: int | None = None,
+    lr: float | None = None,
+    momentum: float | None = None,
     grad_accum: int = 1,
     checkpoint_dir: str | os.PathLike[str] | None = None,
     checkpoint_every: int | None = None,
@@ -200,9 +222,10 @@ def train(
         policy: the precision policy; checked against the model before anything else.
         steps: optimizer steps to train for in total. Give ``steps`` or ``epochs``, not both.
         epochs: epochs to train for (default 1 when neither is given).
-        batch_size: examples per micro-batch and process.
-        lr: SGD learning rate.
-        momentum: SGD momentum.
+        recipe: the optimizer, rate, weight decay, warm-up, schedule (over the whole run) and
+            batch size (examples per micro-batch and process); None: the default recipe, SGD
+            at 0.05 with momentum 0.9, batch 32.
+        batch_size, lr, momentum: aliases of the recipe's fields; given, they replace them.
         grad_accum: micro-batches whose gradients make one optimizer step.
         checkpoint_dir: where ``last.pt`` is written (atomically) at every epoch end and at the
             end; when it already holds one, training resumes from it and continues to the same
@@ -230,18 +253,23 @@ def train(
         PolicyMismatchError: the policy names layers the model lacks, was made for another
             architecture, or holds precisions the device cannot run natively.
         TrainConfigError: inconsistent settings.
+        RecipeError: a recipe field out of range.
         CheckpointError: ``checkpoint_dir`` holds a checkpoint of another run.
-        TrainDivergedError: the loss became inf/NaN and no loss scaler skipped the step, or it
-            was inf/NaN in :data:`NONFINITE_STEPS` steps in a row (all skipped), or the weights
-            (or the last validation loss) are no longer finite: weights that are not numbers
-            are never written to a checkpoint, nor returned as a result.
+        TrainDivergedError: the divergence rule (:mod:`autoprec.training.trainer`, allowing
+            :data:`NONFINITE_STEPS` skipped steps in a row) says the run diverged, or the
+            weights (or the last validation loss) are no longer finite at the end: weights
+            that are not numbers are never written to a checkpoint, nor returned as a result.
         TrainInterrupted: ``stop()`` returned True before the last step.
     """
     start = time.perf_counter()
-    counts = dict(steps=steps, epochs=epochs, batch_size=batch_size, grad_accum=grad_accum)
-    check_settings(counts, checkpoint_every, lr, momentum)
+    base = DEFAULT_RECIPE if recipe is None else recipe
+    given = {"batch_size": batch_size, "lr": lr, "momentum": momentum}
+    shown = {k: getattr(base, k) if v is None else v for k, v in given.items()}
+    counts = dict(steps=steps, epochs=epochs, batch_size=shown["batch_size"], grad_accum=grad_accum)
+    check_settings(counts, checkpoint_every, shown["lr"], shown["momentum"])
+    recipe = fold_aliases(base, **given)
     check_seed(seed)
-    check_batch_fits(spec, data, batch_size)  # beyond the machine's memory: one line, now
+    check_batch_fits(spec, data, recipe.batch_size)  # beyond the machine's memory: one line, now
     rank, world, local_rank = dist_env()
     dev = pick_device(device, local_rank if world > 1 else None)
     run_mode = pick_mode(mode, dev)
@@ -253,171 +281,262 @@ def train(
             torch.cuda.set_device(dev)
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
         own_group = True
-    module: nn.Module = spec.module
-    handle = None
+    run = _TrainRun(spec, data, policy, recipe, grad_accum, seed, dev, rank, world, log)
     try:
-        dataset = data.split("train")
-        sampler = DistributedSampler(
-            dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=False
-        )
-        steps_per_epoch = (len(sampler) // batch_size) // grad_accum
-        if steps_per_epoch < 1:
-            raise TrainConfigError(
-                f"one optimizer step needs batch_size x grad_accum = {batch_size * grad_accum} "
-                f"examples per process, but each of the {world} process(es) holds {len(sampler)} "
-                "of the train split; lower --batch-size or --grad-accum"
-            )
-        total = steps if steps is not None else (epochs or 1) * steps_per_epoch
-        config = {
-            "batch_size": batch_size,
-            "grad_accum": grad_accum,
-            "world_size": world,
-            "seed": seed,
-            "lr": float(lr),
-            "momentum": float(momentum),
-            "policy": policy.digest(),
-            "fingerprint": model_fingerprint(module),
-        }
-
-        torch.manual_seed(seed + rank)
-        module.to(dev)
-        optimizer = torch.optim.SGD(module.parameters(), lr=lr, momentum=momentum)
-        scaler = LossScaler.from_config(policy.loss_scaling, device=dev)
-        path = Path(checkpoint_dir) / CHECKPOINT_NAME if checkpoint_dir is not None else None
-        ckpt = load_checkpoint(path, config, rank, world)
-        step, history, prior_overflows, resumed_from = 0, [], 0, None
-        val_history: list[dict[str, float]] = []
-        if ckpt is not None:
-            module.load_state_dict(ckpt["model"])
-            optimizer.load_state_dict(ckpt["optimizer"])
-            if ckpt["scaler"]:
-                scaler.load_state_dict(ckpt["scaler"])
-            step = resumed_from = int(ckpt["step"])
-            history = [float(v) for v in ckpt["train_loss"]]
-            prior_overflows = int(ckpt["overflows"])
-            val_history = [dict(v) for v in ckpt.get("val_history", [])]
-            restore_rng(ckpt["rng"][rank], dev)
-        saved_at = resumed_from  # the step the file at `path` holds (rank 0 knows)
-        tried_at = resumed_from  # the last step a checkpoint was written at or tried (every rank)
-
-        model: nn.Module = module
-        if world > 1:
-            ids = [dev.index] if dev.type == "cuda" else None
-            model = nn.parallel.DistributedDataParallel(module, device_ids=ids)
-        if run_mode == COMPILED:
-            handle = compile_policy(module, policy)
-        else:
-            handle = apply_policy(module, policy, mode=run_mode)
-        loop = TrainLoop(spec, data, module, model, optimizer, scaler, dev, rank, world, log)
-        val = None
-
-        def save() -> None:
-            """Write the checkpoint of ``step``; a write that fails is one warning."""
-            nonlocal saved_at, tried_at
-            tried_at = step  # every rank alike: the next save is a collective for all
-            if not loop.weights_finite():  # never write weights that are no longer numbers
-                raise TrainDivergedError(_nan_weights(step, history, path, saved_at), step)
-            overflows = prior_overflows + sum_over_ranks(handle.totals()["overflows"], dev)
-            state = (module, optimizer, scaler, step, config, history, val_history, overflows)
-            try:
-                save_checkpoint(path, *state, dev)
-            except OSError as err:  # a full or read-only disk: the training itself goes on
-                if not failed_writes:
-                    warnings.warn(_unwritten(path, err, saved_at), stacklevel=2)
-                failed_writes.append(step)
-                return
-            saved_at = step
-
-        failed_writes: list[int] = []  # steps whose checkpoint could not be written
-
-        nonfinite = 0  # steps in a row whose loss was inf/NaN
-        while step < total:
-            epoch = step // steps_per_epoch
-            sampler.set_epoch(epoch)
-            order = list(sampler)
-            first = (step % steps_per_epoch) * grad_accum
-            micro = [
-                order[i * batch_size : (i + 1) * batch_size]
-                for i in range(first, steps_per_epoch * grad_accum)
-            ]
-            for group_start in range(0, len(micro), grad_accum):
-                if any_rank(stop, dev):  # a step boundary: the state is whole
-                    if path is not None and tried_at != step:
-                        save()
-                    raise TrainInterrupted(step, total, path if saved_at is not None else None)
-                loss = loop.step(dataset, micro[group_start : group_start + grad_accum])
-                step += 1
-                history.append(loss)
-                nonfinite = 0 if math.isfinite(loss) else nonfinite + 1
-                kept = _kept(path, saved_at)
-                if nonfinite and not scaler.is_enabled():
-                    raise TrainDivergedError(
-                        f"training diverged at step {step} (loss {loss}) without loss scaling; "
-                        "lower the learning rate, or give the policy a loss_scaling section so "
-                        "that steps with inf/NaN gradients are skipped" + kept,
-                        step,
-                    )
-                if nonfinite and not loop.weights_finite():  # the step itself broke them
-                    raise TrainDivergedError(_nan_weights(step, history, path, saved_at), step)
-                if nonfinite >= NONFINITE_STEPS:  # every one skipped: nothing trains any more
-                    raise TrainDivergedError(
-                        f"training diverged: the loss was inf/NaN in {nonfinite} steps in a row "
-                        f"(steps {step - nonfinite + 1}-{step}), each skipped by the loss "
-                        "scaler; the forward pass overflows, which loss scaling cannot fix: "
-                        "keep the overflowing layers at a wider precision" + kept,
-                        step,
-                    )
-                loop.emit(
-                    step,
-                    {
-                        "train_loss": loss,
-                        "loss_scale": scaler.get_scale(),
-                        "epoch": step / steps_per_epoch,
-                    },
-                )
-                epoch_end = step % steps_per_epoch == 0
-                if epoch_end or step == total:
-                    val = loop.validate()
-                    record = {"step": step, "epoch": step / steps_per_epoch, **val}
-                    val_history.append(record)
-                    loop.emit(step, {k: v for k, v in record.items() if k != "step"})
-                due = checkpoint_every is not None and step % checkpoint_every == 0
-                if path is not None and (epoch_end or step == total or due):
-                    save()
-                if step == total:
-                    break
-
-        if val is None:  # resumed at (or past) the end: nothing trained, validate once
-            val = loop.validate()
-        if not (loop.weights_finite() and math.isfinite(val["val_loss"])):  # never a success
-            raise TrainDivergedError(_nan_weights(step, history, path, saved_at), step)
-        overflows = prior_overflows + sum_over_ranks(handle.totals()["overflows"], dev)
+        run.prepare(steps, epochs, checkpoint_dir)
+        run.attach(run_mode)
+        run.loop(checkpoint_every, stop)
+        result = run.finish(run_mode, time.perf_counter() - start)
         if own_group:
             dist.barrier()  # no rank tears the group down while another still talks to it
+        return result
+    finally:
+        run.detach()
+        if own_group and dist.is_initialized():
+            run = None  # type: ignore[assignment]  # DDP's reducer: see leave_group
+            leave_group()
+
+
+class _TrainRun:
+    """The state of one :func:`train` call, from its data order to its result."""
+
+    def __init__(
+        self,
+        spec: Any,
+        data: Any,
+        policy: PrecisionPolicy,
+        recipe: TrainingRecipe,
+        grad_accum: int,
+        seed: int,
+        dev: torch.device,
+        rank: int,
+        world: int,
+        log: LogFn | None,
+    ) -> None:
+        self.spec, self.data, self.policy, self.recipe = spec, data, policy, recipe
+        self.grad_accum, self.seed, self.dev = grad_accum, seed, dev
+        self.rank, self.world, self.log = rank, world, log
+        self.module: nn.Module = spec.module
+        self.handle: Any = None
+        self.trainer: Trainer | None = None
+        self.step, self.history, self.prior_overflows = 0, [], 0
+        self.resumed_from: int | None = None
+        self.val_history: list[dict[str, float]] = []
+        self.val: dict[str, float] | None = None
+        self.path: Path | None = None
+        self.saved_at: int | None = None  # the step the file at `path` holds (rank 0 knows)
+        self.tried_at: int | None = None  # the last step a write was tried at (every rank)
+        self.failed_writes: list[int] = []  # steps whose checkpoint could not be written
+
+    def prepare(self, steps: int | None, epochs: int | None, checkpoint_dir: Any) -> None:
+        """The data order, the optimizer, the loss scaler and what a checkpoint resumes."""
+        recipe, batch_size, world = self.recipe, self.recipe.batch_size, self.world
+        self.dataset = self.data.split("train")
+        self.sampler = DistributedSampler(
+            self.dataset, num_replicas=world, rank=self.rank, shuffle=True, seed=self.seed,
+            drop_last=False,
+        )  # fmt: skip
+        self.steps_per_epoch = (len(self.sampler) // batch_size) // self.grad_accum
+        if self.steps_per_epoch < 1:
+            raise TrainConfigError(
+                f"one optimizer step needs batch_size x grad_accum = "
+                f"{batch_size * self.grad_accum} examples per process, but each of the {world} "
+                f"process(es) holds {len(self.sampler)} of the train split; lower --batch-size "
+                "or --grad-accum"
+            )
+        self.total = steps if steps is not None else (epochs or 1) * self.steps_per_epoch
+        self.config = {
+            "batch_size": batch_size,
+            "grad_accum": self.grad_accum,
+            "world_size": world,
+            "seed": self.seed,
+            "lr": float(recipe.lr),
+            "momentum": float(recipe.momentum),
+            "policy": self.policy.digest(),
+            "fingerprint": model_fingerprint(self.module),
+        }
+        other = differs_from_default(recipe, "lr", "momentum", "batch_size")
+        if other is not None:  # the default recipe's checkpoints stay those made before
+            self.config["recipe"] = other
+        torch.manual_seed(self.seed + self.rank)
+        self.module.to(self.dev)
+        self.optimizer = recipe.make_optimizer(self.module.parameters())
+        self.scaler = LossScaler.from_config(self.policy.loss_scaling, device=self.dev)
+        if checkpoint_dir is not None:
+            self.path = Path(checkpoint_dir) / CHECKPOINT_NAME
+        self._resume(load_checkpoint(self.path, self.config, self.rank, world))
+
+    def _resume(self, ckpt: dict[str, Any] | None) -> None:
+        if ckpt is not None:
+            self.module.load_state_dict(ckpt["model"])
+            self.optimizer.load_state_dict(ckpt["optimizer"])
+            if ckpt["scaler"]:
+                self.scaler.load_state_dict(ckpt["scaler"])
+            self.step = self.resumed_from = int(ckpt["step"])
+            self.history = [float(v) for v in ckpt["train_loss"]]
+            self.prior_overflows = int(ckpt["overflows"])
+            self.val_history = [dict(v) for v in ckpt.get("val_history", [])]
+            restore_rng(ckpt["rng"][self.rank], self.dev)
+        self.saved_at = self.tried_at = self.resumed_from
+        self.schedule = None
+        if not self.recipe.constant_rate:
+            self.schedule = self.recipe.make_schedule(self.optimizer, self.total, done=self.step)
+
+    def attach(self, run_mode: str) -> None:
+        """Wrap the module for DDP, apply the policy and make the trainer."""
+        model: nn.Module = self.module
+        if self.world > 1:
+            ids = [self.dev.index] if self.dev.type == "cuda" else None
+            model = nn.parallel.DistributedDataParallel(self.module, device_ids=ids)
+        if run_mode == COMPILED:
+            self.handle = compile_policy(self.module, self.policy)
+        else:
+            self.handle = apply_policy(self.module, self.policy, mode=run_mode)
+        self.trainer = Trainer(
+            self.spec, model, self.optimizer, self.scaler, self.dev, schedule=self.schedule,
+            rule=DivergenceRule(skips=NONFINITE_STEPS), module=self.module, rank=self.rank,
+            world=self.world,
+        )  # fmt: skip
+
+    def detach(self) -> None:
+        """Remove the policy from the module (and drop the DDP wrapper)."""
+        if self.handle is not None:
+            self.handle.remove()
+        self.trainer = None
+
+    def loop(self, checkpoint_every: int | None, stop: StopFn | None) -> None:
+        """Train to ``total`` steps, validating at epoch ends, checkpointing as asked."""
+        per_epoch, total, accum = self.steps_per_epoch, self.total, self.grad_accum
+        while self.step < total:
+            self.sampler.set_epoch(self.step // per_epoch)
+            order = list(self.sampler)
+            first = (self.step % per_epoch) * accum
+            micro = [
+                order[i * self.recipe.batch_size : (i + 1) * self.recipe.batch_size]
+                for i in range(first, per_epoch * accum)
+            ]
+            for group_start in range(0, len(micro), accum):
+                if any_rank(stop, self.dev):  # a step boundary: the state is whole
+                    if self.path is not None and self.tried_at != self.step:
+                        self.save()
+                    held = self.path if self.saved_at is not None else None
+                    raise TrainInterrupted(self.step, total, held)
+                self._one_step(_Batches(self.dataset, micro[group_start : group_start + accum]))
+                epoch_end = self.step % per_epoch == 0
+                if epoch_end or self.step == total:
+                    self.val = self.trainer.validate(self.data)
+                    record = {"step": self.step, "epoch": self.step / per_epoch, **self.val}
+                    self.val_history.append(record)
+                    self._emit({k: v for k, v in record.items() if k != "step"})
+                due = checkpoint_every is not None and self.step % checkpoint_every == 0
+                if self.path is not None and (epoch_end or self.step == total or due):
+                    self.save()
+                if self.step == total:
+                    break
+
+    def _one_step(self, micro: Sequence[Batch]) -> None:
+        """One optimizer step, judged by the divergence rule, logged."""
+        loss = self.trainer.step(micro)
+        self.step += 1
+        self.history.append(loss)
+        verdict = self.trainer.verdict(loss)
+        if verdict is not None:
+            raise TrainDivergedError(self._diverged(verdict, loss), self.step)
+        self._emit(
+            {
+                "train_loss": loss,
+                "loss_scale": self.scaler.get_scale(),
+                "epoch": self.step / self.steps_per_epoch,
+            }
+        )
+
+    def _diverged(self, verdict: str, loss: float) -> str:
+        """The one-line message of the divergence rule's ``verdict``."""
+        step, kept = self.step, _kept(self.path, self.saved_at)
+        if verdict == NONFINITE_LOSS:
+            return (
+                f"training diverged at step {step} (loss {loss}) without loss scaling; "
+                "lower the learning rate, or give the policy a loss_scaling section so "
+                "that steps with inf/NaN gradients are skipped" + kept
+            )
+        if verdict == NONFINITE_WEIGHTS:
+            return _nan_weights(step, self.history, self.path, self.saved_at)
+        in_a_row = self.trainer.in_a_row
+        return (
+            f"training diverged: the loss was inf/NaN in {in_a_row} steps in a row "
+            f"(steps {step - in_a_row + 1}-{step}), each skipped by the loss "
+            "scaler; the forward pass overflows, which loss scaling cannot fix: "
+            "keep the overflowing layers at a wider precision" + kept
+        )
+
+    def _emit(self, metrics: dict[str, float]) -> None:
+        if self.log is not None and self.rank == 0:
+            self.log(self.step, metrics)
+
+    def save(self) -> None:
+        """Write the checkpoint of ``step``; a write that fails is one warning."""
+        self.tried_at = self.step  # every rank alike: the next save is a collective for all
+        if not self.trainer.weights_finite():  # never write weights that are no longer numbers
+            message = _nan_weights(self.step, self.history, self.path, self.saved_at)
+            raise TrainDivergedError(message, self.step)
+        overflows = self.prior_overflows + sum_over_ranks(
+            self.handle.totals()["overflows"], self.dev
+        )
+        state = (self.module, self.optimizer, self.scaler, self.step, self.config)
+        try:
+            save_checkpoint(self.path, *state, self.history, self.val_history, overflows, self.dev)
+        except OSError as err:  # a full or read-only disk: the training itself goes on
+            if not self.failed_writes:
+                warnings.warn(_unwritten(self.path, err, self.saved_at), stacklevel=3)
+            self.failed_writes.append(self.step)
+            return
+        self.saved_at = self.step
+
+    def _overflows(self) -> int:
+        """Overflows so far, over every process and the run a checkpoint resumed."""
+        return self.prior_overflows + sum_over_ranks(self.handle.totals()["overflows"], self.dev)
+
+    def finish(self, run_mode: str, wall_time_s: float) -> TrainResult:
+        """The result, once the weights and the last validation are known to be finite."""
+        if self.val is None:  # resumed at (or past) the end: nothing trained, validate once
+            self.val = self.trainer.validate(self.data)
+        if not (self.trainer.weights_finite() and math.isfinite(self.val["val_loss"])):
+            message = _nan_weights(self.step, self.history, self.path, self.saved_at)
+            raise TrainDivergedError(message, self.step)
+        overflows = self.prior_overflows + sum_over_ranks(
+            self.handle.totals()["overflows"], self.dev
+        )
         return TrainResult(
-            steps=step,
-            epochs=step // steps_per_epoch,
-            steps_per_epoch=steps_per_epoch,
-            train_loss=history,
-            val_loss=val["val_loss"],
-            val_accuracy=val["val_accuracy"],
-            val_history=val_history,
+            steps=self.step,
+            epochs=self.step // self.steps_per_epoch,
+            steps_per_epoch=self.steps_per_epoch,
+            train_loss=self.history,
+            val_loss=self.val["val_loss"],
+            val_accuracy=self.val["val_accuracy"],
+            val_history=self.val_history,
             overflows=overflows,
-            skipped_steps=scaler.skipped_steps,
-            wall_time_s=time.perf_counter() - start,
-            checkpoint=path if saved_at is not None else None,
-            checkpoint_step=saved_at if path is not None else None,
-            resumed_from=resumed_from,
-            world_size=world,
-            rank=rank,
+            skipped_steps=self.scaler.skipped_steps,
+            wall_time_s=wall_time_s,
+            checkpoint=self.path if self.saved_at is not None else None,
+            checkpoint_step=self.saved_at if self.path is not None else None,
+            resumed_from=self.resumed_from,
+            world_size=self.world,
+            rank=self.rank,
             mode=run_mode,
         )
-    finally:
-        if handle is not None:
-            handle.remove()
-        if own_group and dist.is_initialized():
-            model = loop = None  # type: ignore[assignment]  # DDP's reducer: see leave_group
-            leave_group()
+
+
+class _Batches(Sequence[Batch]):
+    """The micro-batches of one step, each gathered from ``dataset`` when the trainer asks."""
+
+    def __init__(self, dataset: Any, micro: list[list[int]]) -> None:
+        self.dataset, self.micro = dataset, micro
+
+    def __len__(self) -> int:
+        return len(self.micro)
+
+    def __getitem__(self, i: int) -> Batch:  # type: ignore[override]
+        return gather(self.dataset, self.micro[i])
 
 
 def _kept(path: Path | None, saved_at: int | None) -> str:

@@ -114,10 +114,11 @@ class VerifyResult:
         from autoprec import __version__
 
         c = self.config
-        kept = ("seeds", "batch_size", "lr", "momentum", "tolerance")
+        trained = ("batch_size", "lr", "momentum")  # the file's fields (the recipe's SGD ones)
         return VerificationInfo(
             **{k: getattr(self, k) for k in ("verdict", "loss_delta", "accuracy_delta", "date")},
-            **{k: getattr(c, k) for k in kept},
+            **{k: getattr(c, k) for k in ("seeds", "tolerance")},
+            **{k: getattr(c.recipe, k) for k in trained},
             **c.length,
             arms=tuple(a.summary() for a in self.arms),
             dataset=self.dataset,

@@ -42,12 +42,13 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass, field
 from typing import Any, Protocol
 
 from autoprec.evaluate.reward import DEFAULT_TOLERANCE
 from autoprec.policy import PrecisionPolicy
 from autoprec.precision import PRECISION_NAMES
+from autoprec.training.recipe import TrainingRecipe, fold_aliases
 from autoprec.verify.results import ArmResult, RunResult, VerifyResult
 from autoprec.verify.store import load_run, run_key, store_run
 
@@ -92,7 +93,9 @@ class VerifyConfig:
         arms: the reference arms: ``fp32``, ``amp`` (the target's blanket AMP,
             :func:`autoprec.hardware.defaults.amp_policy`) or a precision name for a uniform
             policy. ``fp32`` must be one of them (the deltas are to it).
-        batch_size, lr, momentum: as :func:`autoprec.training.run.train`.
+        recipe: how every run trains (:func:`autoprec.training.run.train`'s recipe).
+        batch_size, lr, momentum: aliases of the recipe's fields: given, they replace them
+            (read them from ``recipe``; see :func:`~autoprec.training.recipe.fold_aliases`).
         tolerance: the largest relative loss delta to fp32 that is within.
         dataset: the data (None: the default for the model's task).
         data_dir: folder for cifar/imagefolder data.
@@ -104,9 +107,10 @@ class VerifyConfig:
     epochs: int | None = None
     seeds: tuple[int, ...] = (0, 1, 2)
     arms: tuple[str, ...] = DEFAULT_ARMS
-    batch_size: int = 32
-    lr: float = 0.05
-    momentum: float = 0.9
+    recipe: TrainingRecipe = field(default_factory=TrainingRecipe)
+    batch_size: InitVar[int | None] = None
+    lr: InitVar[float | None] = None
+    momentum: InitVar[float | None] = None
     tolerance: float = DEFAULT_TOLERANCE
     dataset: str | None = None
     data_dir: str | None = None
@@ -115,8 +119,15 @@ class VerifyConfig:
     device: str | None = None
     mode: str = "auto"
 
-    def __post_init__(self) -> None:
+    def __post_init__(
+        self, batch_size: int | None, lr: float | None, momentum: float | None
+    ) -> None:
         put = object.__setattr__
+        put(
+            self,
+            "recipe",
+            fold_aliases(self.recipe, batch_size=batch_size, lr=lr, momentum=momentum),
+        )
         put(self, "seeds", tuple(self.seeds))
         put(self, "arms", tuple(a.strip() for a in self.arms if a.strip()))
         if self.steps is not None and self.epochs is not None:
@@ -205,10 +216,7 @@ def verify(
         ModelError, DatasetError, TrainConfigError: as :func:`autoprec.training.run.train`.
         TrainInterrupted: ``stop()`` returned True.
     """
-    from autoprec.data import load_dataset_for
     from autoprec.evaluate.scoring import relative_loss_delta
-    from autoprec.models import load_model
-    from autoprec.training.run import TrainDivergedError
 
     start = time.perf_counter()
     if target is None and "amp" in config.arms:
@@ -220,49 +228,8 @@ def verify(
     runs: dict[str, list[RunResult]] = {arm: [] for arm in arms}
     dataset = ""
     for seed in config.seeds:
-        spec = load_model(
-            model, num_classes=config.num_classes, image_size=config.image_size, seed=seed
-        )
-        root = {"root": config.data_dir} if config.data_dir else {}
-        data = load_dataset_for(spec, config.dataset, seed=seed, **root)
-        dataset = data.name
-        initial = weights if weights is not None else spec.module.state_dict()
-        initial = {k: v.detach().clone() for k, v in initial.items()}
-        for arm in sorted(arms, key=lambda a: a != "fp32"):  # fp32 first: it must learn
-            key = run_key(model, arm, arms[arm].digest(), seed, config, checkpoint)
-            if callback is not None:
-                callback.run_started(arm, seed)
-            run = load_run(key)
-            if run is None:
-                _load(spec.module, initial, checkpoint)  # every arm starts from the same weights
-                reference = None if arm == "fp32" else runs["fp32"][-1]  # a divergence's penalty
-                try:
-                    run = run_arm(
-                        spec,
-                        data,
-                        arm,
-                        arms[arm],
-                        seed,
-                        config,
-                        callback,
-                        penalise_against=reference,
-                        stop=stop,
-                    )
-                except TrainDivergedError as err:  # fp32's: there is nothing to compare with
-                    raise VerifyError(
-                        f"fp32 diverged (seed {seed}, lr {config.lr:g}): {err}; a verdict needs "
-                        "an fp32 run that learns: give a lower --lr"
-                    ) from None
-                store_run(key, run)
-            runs[arm].append(run)
-            if callback is not None:
-                callback.run_finished(run)
-            if arm == "fp32" and not run.final_loss < run.curve[0]:
-                raise VerifyError(
-                    f"fp32 did not learn (seed {seed}: training loss {run.curve[0]:.3g} at the "
-                    f"first step, {run.final_loss:.3g} at the end, lr {config.lr:g}): a verdict "
-                    "against it would measure noise; give a lower --lr or a longer run"
-                )
+        where = _Seed(model, config, seed, checkpoint, callback, stop)
+        dataset = where.train_arms(arms, weights, runs)
     results = tuple(ArmResult.of(arm, arms[arm], runs[arm]) for arm in arms)
     mine, fp32 = results[0], next(a for a in results if a.arm == "fp32")
     loss_delta = relative_loss_delta(mine.loss_mean, fp32.loss_mean)
@@ -277,6 +244,75 @@ def verify(
         wall_time_s=time.perf_counter() - start,
         checkpoint=None if checkpoint is None else str(checkpoint),
     )
+
+
+@dataclass(frozen=True)
+class _Seed:
+    """One seed of a verification: its model and data, every arm trained (or kept) on them."""
+
+    model: str
+    config: VerifyConfig
+    seed: int
+    checkpoint: Any
+    callback: VerifyCallback | None
+    stop: Callable[[], bool] | None
+
+    def train_arms(
+        self,
+        arms: Mapping[str, PrecisionPolicy],
+        weights: Mapping[str, Any] | None,
+        runs: dict[str, list[RunResult]],
+    ) -> str:
+        """Every arm's run of this seed (fp32 first: it must learn) appended to ``runs``;
+        returns the data's name."""
+        from autoprec.data import load_dataset_for
+        from autoprec.models import load_model
+
+        config, seed = self.config, self.seed
+        spec = load_model(
+            self.model, num_classes=config.num_classes, image_size=config.image_size, seed=seed
+        )
+        root = {"root": config.data_dir} if config.data_dir else {}
+        data = load_dataset_for(spec, config.dataset, seed=seed, **root)
+        initial = weights if weights is not None else spec.module.state_dict()
+        initial = {k: v.detach().clone() for k, v in initial.items()}
+        for arm in sorted(arms, key=lambda a: a != "fp32"):  # fp32 first: it must learn
+            key = run_key(self.model, arm, arms[arm].digest(), seed, config, self.checkpoint)
+            if self.callback is not None:
+                self.callback.run_started(arm, seed)
+            run = load_run(key)
+            if run is None:
+                _load(spec.module, initial, self.checkpoint)  # every arm: the same weights
+                reference = None if arm == "fp32" else runs["fp32"][-1]  # a divergence's penalty
+                run = self._train(spec, data, arm, arms[arm], reference)
+                store_run(key, run)
+            runs[arm].append(run)
+            if self.callback is not None:
+                self.callback.run_finished(run)
+            if arm == "fp32" and not run.final_loss < run.curve[0]:
+                raise VerifyError(
+                    f"fp32 did not learn (seed {seed}: training loss {run.curve[0]:.3g} at the "
+                    f"first step, {run.final_loss:.3g} at the end, lr {config.recipe.lr:g}): a "
+                    "verdict against it would measure noise; give a lower --lr or a longer run"
+                )
+        return data.name
+
+    def _train(
+        self, spec: Any, data: Any, arm: str, policy: PrecisionPolicy, reference: Any
+    ) -> RunResult:
+        """One arm's run (:func:`run_arm`); fp32 diverging is a :class:`VerifyError`."""
+        from autoprec.training.run import TrainDivergedError
+
+        try:
+            return run_arm(
+                spec, data, arm, policy, self.seed, self.config, self.callback,
+                penalise_against=reference, stop=self.stop,
+            )  # fmt: skip
+        except TrainDivergedError as err:  # fp32's: there is nothing to compare with
+            raise VerifyError(
+                f"fp32 diverged (seed {self.seed}, lr {self.config.recipe.lr:g}): {err}; a "
+                "verdict needs an fp32 run that learns: give a lower --lr"
+            ) from None
 
 
 def run_arm(
@@ -322,7 +358,7 @@ def run_arm(
         if callback is not None:
             callback.log(arm, seed, step, metrics)
 
-    settings = {k: getattr(config, k) for k in ("batch_size", "lr", "momentum", "device", "mode")}
+    settings = {"recipe": config.recipe, "device": config.device, "mode": config.mode}
     try:
         done = train(spec, data, policy, **config.length, **settings, seed=seed, log=log, stop=stop)
         window = max(1, round(len(done.train_loss) * FINAL_WINDOW))

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from autoprec.cache import cache_dir, read_entry, write_entry
+from autoprec.training.recipe import differs_from_default
 from autoprec.verify.results import RunResult
 
 __all__ = ["STORE_FOLDER", "load_run", "run_key", "run_path", "store_run"]
@@ -57,8 +58,13 @@ def run_key(
     settings = {
         f.name: getattr(config, f.name)
         for f in dataclasses.fields(config)
-        if f.name not in _NOT_OF_A_RUN
+        if f.name not in (*_NOT_OF_A_RUN, "recipe")
     }
+    recipe = config.recipe  # as the settings held it before recipes: the same keys
+    settings.update(batch_size=recipe.batch_size, lr=recipe.lr, momentum=recipe.momentum)
+    other = differs_from_default(recipe, "batch_size", "lr", "momentum")
+    if other is not None:
+        settings["recipe"] = other
     identity = {
         "version": STORE_VERSION,
         "autoprec": __version__,

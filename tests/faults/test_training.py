@@ -220,10 +220,10 @@ def _verdict(out: str) -> list[str]:
 def _count_runs(monkeypatch, interrupt_at: int | None = None) -> list[tuple[str, int]]:
     """Count the runs :func:`verify` trains; the ``interrupt_at``-th is stopped as SIGTERM
     stops it (:class:`TrainInterrupted` at a step boundary)."""
-    import autoprec.verify
+    import autoprec.verify.run
     from autoprec.training.run import TrainInterrupted
 
-    real, trained = autoprec.verify.run_arm, []
+    real, trained = autoprec.verify.run.run_arm, []
 
     def counted(spec, data, arm, policy, seed, *args, **kwargs):
         trained.append((arm, seed))
@@ -231,7 +231,7 @@ def _count_runs(monkeypatch, interrupt_at: int | None = None) -> list[tuple[str,
             raise TrainInterrupted(0, 2, None)
         return real(spec, data, arm, policy, seed, *args, **kwargs)
 
-    monkeypatch.setattr(autoprec.verify, "run_arm", counted)
+    monkeypatch.setattr(autoprec.verify.run, "run_arm", counted)  # where verify() looks it up
     return trained
 
 

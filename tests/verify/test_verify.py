@@ -137,7 +137,7 @@ def test_the_cli_says_which_runs_diverged_and_mlflow_tags_them(tmp_path, capsys)
 
 
 def test_fp32_that_diverges_is_a_one_line_error(monkeypatch):
-    import autoprec.verify as verify_module
+    import autoprec.verify.run as verify_module  # where verify() looks run_arm up
     from autoprec.training.run import TrainDivergedError
 
     def diverging(spec, data, arm, *args, **kwargs):
