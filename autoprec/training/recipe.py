@@ -208,7 +208,11 @@ PROVENANCE_PREFIX = "recipe_"
 
 
 def to_provenance(recipe: TrainingRecipe) -> dict[str, str | int | float]:
-    """The recipe as provenance entries (flat: provenance values are strings and numbers)."""
+    """The recipe as provenance entries (flat: provenance values are strings and numbers);
+    none for the default recipe, so that a policy searched with it is written as before
+    recipes existed (no entries: the default recipe)."""
+    if recipe == DEFAULT_RECIPE:
+        return {}
     return {PROVENANCE_PREFIX + name: value for name, value in recipe.to_dict().items()}
 
 

@@ -275,12 +275,7 @@ def train(
     run_mode = pick_mode(mode, dev)
     check_policy(spec, policy, dev, run_mode)  # before any process group or data work
 
-    own_group = False
-    if world > 1 and not dist.is_initialized():
-        if dev.type == "cuda":
-            torch.cuda.set_device(dev)
-        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
-        own_group = True
+    own_group = _join_group(world, dev)
     run = _TrainRun(spec, data, policy, recipe, grad_accum, seed, dev, rank, world, log)
     try:
         run.prepare(steps, epochs, checkpoint_dir)
@@ -295,6 +290,16 @@ def train(
         if own_group and dist.is_initialized():
             run = None  # type: ignore[assignment]  # DDP's reducer: see leave_group
             leave_group()
+
+
+def _join_group(world: int, dev: torch.device) -> bool:
+    """Start the process group of a ``torchrun`` launch unless one runs; whether it started."""
+    if world <= 1 or dist.is_initialized():
+        return False
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    return True
 
 
 class _TrainRun:

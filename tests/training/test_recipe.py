@@ -119,6 +119,7 @@ def test_the_recipe_rides_in_a_policys_provenance():
     assert entries["recipe_optimizer"] == "adamw" and entries["recipe_lr"] == 3e-4
     assert from_provenance({"agent": "random", **entries}) == ADAMW
     assert from_provenance({"agent": "random"}) is None
+    assert to_provenance(DEFAULT_RECIPE) == {}  # a default search's file: as before recipes
     with pytest.raises(RecipeError, match="provenance.recipe_"):
         from_provenance({"recipe_optimizer": "lamb"})
 
