@@ -247,3 +247,26 @@ def test_a_bad_recipe_option_is_one_line_and_exit_2(tmp_path, capsys):
     assert main([*args, "--no-mlflow"]) == 2
     err = capsys.readouterr().err
     assert "--lr must be a number > 0" in err and "Traceback" not in err
+
+
+def test_verify_trains_with_the_recipe_a_policy_was_searched_with(
+    optimizers_made, monkeypatch, tmp_path
+):
+    """No recipe option: the file's ``recipe_*`` provenance, at its warm start's rate; an
+    option given replaces its field."""
+    from autoprec.cli import main
+    from autoprec.policy import PrecisionPolicy
+    from autoprec.policy.io import save_policy
+
+    monkeypatch.setenv("AUTOPREC_CACHE_DIR", str(tmp_path / "cache"))
+    searched = to_provenance(TrainingRecipe(optimizer="adamw", lr=3e-3, beta2=0.95))
+    policy = tmp_path / "searched.yaml"  # as a search exports it
+    provenance = {**searched, "warm_start_lr": 2e-3}
+    save_policy(PrecisionPolicy(default="bf16", provenance=provenance), policy)
+    args = ["verify", str(policy), "--model", "mlp", "--dataset", "digits", "--steps", "4"]
+    args += ["--seeds", "1", "--arms", "fp32", "--device", "cpu", "--no-mlflow"]
+    assert main([*args, "--out", str(tmp_path / "a.yaml")]) == 0
+    assert optimizers_made == [("training/run", "AdamW", 2e-3)] * 2
+    optimizers_made.clear()
+    assert main([*args, "--lr", "1e-3", "--out", str(tmp_path / "b.yaml")]) == 0
+    assert optimizers_made == [("training/run", "AdamW", 1e-3)] * 2
