@@ -42,6 +42,7 @@ _EXPORTS = {
     "LossScaler": "autoprec.runtime",
     "Metrics": "autoprec.evaluate",
     "ReferenceDivergedError": "autoprec.evaluate",
+    "run_search": "autoprec.pipeline",
     "RewardConfig": "autoprec.evaluate",
     "LossScalingConfig": "autoprec.policy",
     "model_fingerprint": "autoprec.layers",
@@ -53,6 +54,9 @@ _EXPORTS = {
     "PrecisionPolicy": "autoprec.policy",
     "quantize": "autoprec.kernels",
     "save_policy": "autoprec.policy.io",
+    "search": "autoprec.pipeline",  # run_search; the package is autoprec.pipeline
+    "SearchConfig": "autoprec.pipeline",
+    "SearchReport": "autoprec.pipeline",
     "ScaledCast": "autoprec.kernels",
     "ScaledTensor": "autoprec.kernels",
     "sensitivity": "autoprec.sensitivities",
@@ -99,6 +103,12 @@ if TYPE_CHECKING:  # pragma: no cover
     from autoprec.models import (  # noqa: F401
         ModelSpec,
         load_model,
+    )
+    from autoprec.pipeline import (  # noqa: F401
+        SearchConfig,
+        SearchReport,
+        run_search,
+        search,
     )
     from autoprec.policy import (  # noqa: F401
         LossScalingConfig,

@@ -1,16 +1,17 @@
 """Wall time of the default `autoprec search --model resnet50` on this machine, by phase.
 
-Runs the README's main command exactly (no other flag) in a fresh working folder with a fresh
-autoprec cache (so the warm start, the fp32 reference and the sensitivities are all computed)
-and an empty torch compile cache (``TORCHINDUCTOR_CACHE_DIR``: a new user's first run), reads the
-phase times the command prints on its last line, and writes them with the total wall time and
-the result line to docs/benchmarks.md, with what the exported policy holds: its precision per
-layer kind (no fp8 convolution may appear: no backend runs one), whether every layer runs
-natively on the target (autoprec.hardware.runnability), and its predicted speedup over fp32 and
-over the target's AMP. Then the search runs twice more from the first run's warm start and
-sensitivities, without worker processes (``--workers 0``) and with the default, for what
-evaluating two policies at a time buys. Targets: at most 15 minutes on a 2-core CPU (issue 8),
-at most 120 s (issue 19).
+Runs the README's main search exactly (``autoprec.search(SearchConfig(model=...))``, every other
+setting at its default, as ``autoprec search --model resnet50``) in a fresh process, working
+folder and autoprec cache (so the warm start, the fp32 reference and the sensitivities are all
+computed) with an empty torch compile cache (``TORCHINDUCTOR_CACHE_DIR``: a new user's first
+run), takes the report's phase times (what the command prints on its last line), and writes them
+with the total wall time and the result lines to docs/benchmarks.md, with what the exported
+policy holds: its precision per layer kind (no fp8 convolution may appear: no backend runs one),
+whether every layer runs natively on the target (autoprec.hardware.runnability), and its
+predicted speedup over fp32 and over the target's AMP. Then the search runs twice more from the
+first run's warm start and sensitivities, without worker processes (``workers=0``) and with the
+default, for what evaluating two policies at a time buys. Targets: at most 15 minutes on a
+2-core CPU (issue 8), at most 120 s (issue 19).
 
     python experiments/bench_search.py --write-docs
 """
@@ -18,8 +19,8 @@ at most 120 s (issue 19).
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -64,35 +65,50 @@ def describe_policy(path: Path, model: str) -> list[str]:
     ]
 
 
-PHASE = re.compile(r"([^,]+?) (\d+(?:\.\d+)?) s")
+#: The child process: one search through the library, its report's phase times, result lines
+#: and warnings as JSON on stdout.
+CHILD = """
+import json, sys, warnings
+from rich.text import Text
+import autoprec
+from autoprec.pipeline import SearchCallbacks
+
+class Lines(SearchCallbacks):
+    def __init__(self):
+        self.lines = []
+
+    def line(self, text):
+        self.lines.append(Text.from_markup(text).plain)
+
+told = Lines()
+with warnings.catch_warnings(record=True) as caught:
+    report = autoprec.search(autoprec.SearchConfig(**json.loads(sys.argv[1])), told)
+said = ["autoprec: warning: " + " ".join(str(w.message).split()) for w in caught]
+json.dump({"phases": report.phase_times, "lines": said + told.lines}, sys.stdout)
+"""
 
 
-def run_search(work: Path, model: str, extra: list[str], inductor: Path) -> tuple[float, str]:
-    """``(wall seconds, stderr)`` of ``autoprec search --model MODEL EXTRA`` in ``work``, with
-    ``work/cache`` as its cache folder; exits with a one-line message if it fails."""
+def run_search(
+    work: Path, model: str, settings: dict, inductor: Path
+) -> tuple[float, dict[str, float], list[str]]:
+    """``(wall seconds, phase times, result lines)`` of ``autoprec.search`` of ``model`` with
+    ``settings`` in a fresh process in ``work``, with ``work/cache`` as its cache folder; exits
+    with a one-line message if it fails."""
     env = {
         **os.environ,
         "AUTOPREC_CACHE_DIR": str(work / "cache"),
         "TORCHINDUCTOR_CACHE_DIR": str(inductor),
-        "COLUMNS": "160",
     }
-    cmd = [str(Path(sys.executable).with_name("autoprec")), "search", "--model", model, *extra]
+    config = json.dumps({"model": model, **settings})
+    cmd = [sys.executable, "-c", CHILD, config]
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start
     (work / "search.log").write_text(proc.stderr)
     if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd[1:])} failed with status {proc.returncode}; log in {work}")
-    if re.search(r"phases: (.*)", proc.stderr) is None:
-        raise SystemExit(f"no phase line in the output; log in {work}")
-    return wall, proc.stderr
-
-
-def phases(log: str) -> dict[str, float]:
-    """The phase times of the command's last line, in its order."""
-    line = re.search(r"phases: (.*)", log)
-    assert line is not None  # checked by run_search
-    return {name.strip(): float(sec) for name, sec in PHASE.findall(line.group(1))}
+        raise SystemExit(f"the search {config} failed with status {proc.returncode}; log in {work}")
+    report = json.loads(proc.stdout)
+    return wall, report["phases"], report["lines"]
 
 
 def workers_side_by_side(first: Path, model: str, inductor: Path) -> list[str]:
@@ -100,15 +116,15 @@ def workers_side_by_side(first: Path, model: str, inductor: Path) -> list[str]:
     sensitivities (its cached evaluations and agent removed), once with ``--workers 0`` and once
     with the default, one after the other, and their phase times side by side."""
     runs = {}
-    for label, extra in (("--workers 0", ["--workers", "0"]), ("default (auto)", [])):
+    for label, settings in (("--workers 0", {"workers": 0}), ("default (auto)", {})):
         work = Path(tempfile.mkdtemp(prefix="autoprec-search-bench-"))
         shutil.copytree(
             first / "cache",
             work / "cache",
             ignore=shutil.ignore_patterns("evaluations.sqlite*", "agents"),
         )
-        wall, log = run_search(work, model, extra, inductor)
-        runs[label] = (wall, phases(log))
+        wall, times, _ = run_search(work, model, settings, inductor)
+        runs[label] = (wall, times)
         print(f"{label}: {wall:.0f} s", flush=True)
     names = list(next(iter(runs.values()))[1])
     rows = [
@@ -140,12 +156,12 @@ def main() -> None:
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="autoprec-search-bench-"))
     inductor = work / "inductor"
-    wall, log = run_search(work, args.model, [], inductor)
-    print(log)
-    rows = [f"| {name} | {sec:.0f} |" for name, sec in phases(log).items()]
+    wall, times, lines = run_search(work, args.model, {}, inductor)
+    print("\n".join(lines))
+    rows = [f"| {name} | {sec:.0f} |" for name, sec in times.items()]
     result = [
         line.strip()
-        for line in log.splitlines()
+        for line in lines
         if line.startswith(
             (
                 "autoprec: warning",

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from benchlib import md_table, parse_args, provenance, write_section
 
-from autoprec.cli.search_export import AMP_SAME_SPEEDUP
+from autoprec.pipeline.export import AMP_SAME_SPEEDUP
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -51,21 +51,11 @@ class Args:
     write_docs: bool = False
 
 
-def _options(args: Args) -> dict:
-    """The options `autoprec search` builds its evaluator from, at their CLI defaults."""
-    return {
-        "model_name": args.model,
-        "num_classes": 10,
-        "image_size": None,
-        "seed": 0,
-        "data_dir": None,
-        "dataset": None,
-        "train_shape": args.shape,
-        "train_image_size": None,
-        "train_batch_size": None,
-        "steps": None,
-        "target_mode": None,
-    }
+def _workload(args: Args):
+    """The workload `autoprec search --model M --train-shape S` builds its evaluator from."""
+    from autoprec.pipeline.workload import Workload
+
+    return Workload(args.model, train_shape=args.shape)
 
 
 def run_search(args: Args, target: str, workdir: Path) -> tuple[float, str]:
@@ -115,13 +105,13 @@ def compare(args: Args, target: str, policy_path: Path) -> dict:
     """The export beside all-bf16 and the hand rules, from the search's cache."""
     from autoprec.agents import Problem
     from autoprec.agents.hand_rules import hand_rule_policies
-    from autoprec.cli._setup import build_evaluator
     from autoprec.hardware import get_device
     from autoprec.hardware.runnability import check_runnable
+    from autoprec.pipeline.workload import build_evaluator
     from autoprec.policy.io import load_policy
 
     device = get_device(target)
-    evaluator = build_evaluator(_options(args), device)
+    evaluator, _ = build_evaluator(_workload(args), device)
     problem = Problem(evaluator)
     layers = problem.layers()
     exported = load_policy(policy_path)

@@ -30,8 +30,6 @@ over a kept cache finds the warm starts, sensitivities and evaluations there).
 
 from __future__ import annotations
 
-import contextlib
-import io
 import math
 import os
 import statistics
@@ -45,11 +43,12 @@ from typing import Any
 from benchlib import DOCS, invocation, md_table, parse_args, provenance, write_section
 
 from autoprec.agents.export import layer_policy
-from autoprec.cli import main as autoprec_main
 from autoprec.data import load_dataset_for
 from autoprec.evaluate import Evaluator
 from autoprec.evaluate.scoring import relative_loss_delta
 from autoprec.models import load_model
+from autoprec.pipeline import SearchConfig
+from autoprec.pipeline import search as autoprec_search
 from autoprec.policy.io import load_policy
 from autoprec.training.run import TrainDivergedError
 from autoprec.verify import VerifyConfig, run_arm
@@ -148,21 +147,23 @@ def why_rows(trap: Trap, args: Args) -> list[list[str]]:
 
 # ---------------------------------------------------------------------------------- searches
 def run_search(trap: Trap, agent: str, seed: int, args: Args, folder: Path) -> dict[str, Any]:
-    """One ``autoprec search`` in this process; its status, exported layers and metrics."""
+    """One search (``autoprec.search``, as ``autoprec search``); its status, exported layers
+    and metrics."""
     out = folder / f"{trap.factory}-{agent}-{seed}.yaml"
-    argv = ["search", "--model", trap.model, "--agent", agent, "--seed", str(seed)]
-    argv += ["--train-image-size", str(args.train_image_size), "--target", args.target]
-    argv += ["--no-mlflow", "--out", str(out), "--storage", f"sqlite:///{folder / 'optuna.db'}"]
-    if args.budget is not None:
-        argv += ["--budget", str(args.budget)]
-    err = io.StringIO()
+    budget = {} if args.budget is None else {"budget": args.budget}
+    config = SearchConfig(
+        model=trap.model, agent=agent, seed=seed, train_image_size=args.train_image_size,
+        target=args.target, mlflow=False, out=str(out),
+        storage=f"sqlite:///{folder / 'optuna.db'}", **budget,
+    )  # fmt: skip
     start = time.perf_counter()
-    with contextlib.redirect_stderr(err):
-        rc = autoprec_main(argv)
+    try:
+        report = autoprec_search(config)
+    except ValueError as err:  # what `autoprec search` would print as its one error line
+        print(f"{trap.factory} {agent} {seed}: {err}", file=sys.stderr)
+        return {"ok": False, "wall_s": time.perf_counter() - start}
     wall = time.perf_counter() - start
-    text = err.getvalue()
-    if rc != 0 or "Traceback" in text:
-        print(text[-3000:], file=sys.stderr)
+    if report.interrupted or report.policy_path is None:
         return {"ok": False, "wall_s": wall}
     policy = load_policy(out)
     return {"ok": True, "wall_s": wall, "layers": dict(policy.layers), "metrics": policy.metrics}

@@ -85,9 +85,3 @@ def sensitivity_progress(
             bar.update(task, description=f"{what}: {stage}", completed=done, total=total)
 
         yield progress, on_plan
-
-
-def build_surrogate(evaluator: Any, console: Any) -> Any:
-    """``evaluator.surrogate()``, drawing its sensitivity table's progress on ``console``."""
-    with sensitivity_progress(console, "sensitivity") as (progress, on_plan):
-        return evaluator.surrogate(progress=progress, on_plan=on_plan)

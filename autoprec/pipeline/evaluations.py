@@ -1,7 +1,7 @@
-"""The real evaluations of ``autoprec search`` beside the agent's: where they run, and the
+"""The real evaluations of a search beside the agent's: where they run, and the
 comparisons every search prints (the target's AMP, the hand-written fp8 rules).
 
-On a CPU the evaluations run side by side in worker processes (``--workers``;
+On a CPU the evaluations run side by side in worker processes (``workers``;
 :mod:`autoprec.evaluate.pool`): AMP and the hand rules start while the sensitivities are
 measured, so that their results are there when the search ends, and the agent hands its
 proposals to the workers as it makes them.
@@ -13,25 +13,14 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-import click
-
 AUTO_WORKERS = 2  # worker processes by default, on a machine of at least that many cores
 MIN_REFERENCE_S = 5.0  # by default, workers only for models whose fp32 reference takes this long
 
-workers_option = click.option(
-    "--workers",
-    type=click.IntRange(min=0),
-    default=None,
-    help=f"Processes that run real evaluations side by side on a CPU, each on an equal share "
-    f"of the threads (default: {AUTO_WORKERS} on a machine of {AUTO_WORKERS} or more cores, "
-    f"for a model whose fp32 reference run took at least {MIN_REFERENCE_S:g} s; 0 or 1: one "
-    "at a time in this process). Runs timed on this machine's GPU go one at a time.",
-)
-
 
 def chosen_workers(asked: int | None, reference_wall_s: float) -> int:
-    """``--workers`` as asked, else the default for a model whose fp32 reference run took
-    ``reference_wall_s`` seconds (see :data:`workers_option`)."""
+    """``workers`` as asked, else :data:`AUTO_WORKERS` on a machine of that many cores or more
+    for a model whose fp32 reference run took at least :data:`MIN_REFERENCE_S` seconds
+    (``reference_wall_s``), else 0 (one at a time)."""
     if asked is not None:
         return asked
     if (os.cpu_count() or 1) < AUTO_WORKERS or reference_wall_s < MIN_REFERENCE_S:

@@ -1,5 +1,5 @@
-"""What ``autoprec search`` writes when it ends: the best policy, every trial, the Pareto set,
-and how the best compares with the target's AMP.
+"""What a search writes when it ends: the best policy, every trial, the Pareto set, and how
+the best compares with the target's AMP and the hand-written rules.
 
 A write that fails (a full disk) never loses the result: the best policy is kept in the cache
 folder (else the temporary folder, else printed on stdout) and the error says where.
@@ -7,12 +7,11 @@ folder (else the temporary folder, else printed on stdout) and the error says wh
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import click
 
 #: Speedups over AMP closer to 1 than this are "the same as AMP": the cost model's
 #: predictions do not separate them, so only the loss delta's noise would.
@@ -34,12 +33,32 @@ class SearchExportError(ValueError):
     policy was kept instead)."""
 
 
+@dataclass(frozen=True)
+class Found:
+    """What a search found, ready to export.
+
+    Attributes:
+        result: the search's result.
+        policy: its best policy, ready to save (None: no real evaluation finished).
+        amp: the metrics of the target's AMP (None: not compared, e.g. interrupted).
+        amp_reward: AMP's reward under the search's reward.
+        rules: ``(name, metrics, reward)`` of the hand-written fp8 rules, compared with the
+            best policy in one line.
+    """
+
+    result: Any
+    policy: Any
+    amp: Any = None
+    amp_reward: float | None = None
+    rules: Sequence[tuple[str, Any, float]] = ()
+
+
 @dataclass
 class Exporter:
-    """Writes a search's files and prints what they hold.
+    """Writes a search's files and says what they hold.
 
     Args:
-        console: where the summary lines go.
+        line: where the summary lines go (rich markup).
         spec_module: the searched model (for the policies' ``model`` section).
         device: the target (its AMP precision for the comparison).
         out: the best policy's file; the trials go beside it (``<stem>.trials.csv``) or into
@@ -47,31 +66,18 @@ class Exporter:
         pareto_dir: where one policy per Pareto point and ``pareto.csv`` go; None: nowhere.
     """
 
-    console: Any
+    line: Callable[[str], None]
     spec_module: Any
     device: Any
     out: Path
     pareto_dir: Path | None
     policy_saved: bool = False  # whether the best policy's file is written
+    verdicts: dict[str, str] = field(default_factory=dict)  # the comparisons' lines
+    written: dict[str, Path] = field(default_factory=dict)  # the files, by what they hold
 
-    def export(
-        self,
-        result: Any,
-        policy: Any,
-        amp: Any,
-        amp_reward: float | None,
-        rules: Sequence[tuple[str, Any, float]] = (),
-    ) -> Path | None:
+    def export(self, found: Found) -> Path | None:
         """Write the best policy, the trials and the Pareto files; returns the best policy's
         path (None when no real evaluation finished).
-
-        Args:
-            result: the search's result.
-            policy: its best policy, ready to save (None: no real evaluation finished).
-            amp: the metrics of the target's AMP (None: not compared, e.g. interrupted).
-            amp_reward: AMP's reward under the search's reward.
-            rules: ``(name, metrics, reward)`` of the hand-written fp8 rules, compared with
-                the best policy in one line.
 
         Raises:
             SearchExportError: a file cannot be written (the best policy is kept elsewhere).
@@ -79,9 +85,9 @@ class Exporter:
         from autoprec.cache import keep_text
         from autoprec.policy.io import format_policy, policy_format
 
-        out = self.out
+        out, policy = self.out, found.policy
         try:
-            return self._write(result, policy, amp, amp_reward, rules)
+            return self._write(found)
         except OSError as err:
             failed = err.filename or out
             why = err.strerror or str(err)
@@ -91,7 +97,8 @@ class Exporter:
             text = format_policy(policy, policy_format(out))
             kept = keep_text(out.name, text)
             if kept is None:
-                click.echo(text, nl=False)
+                sys.stdout.write(text)
+                sys.stdout.flush()
                 where = "printed on stdout"
             else:
                 where = f"kept in {kept}"
@@ -100,49 +107,49 @@ class Exporter:
                 "once there is room"
             ) from None
 
-    def _write(
-        self,
-        result: Any,
-        policy: Any,
-        amp: Any,
-        amp_reward: float | None,
-        rules: Sequence[tuple[str, Any, float]] = (),
-    ) -> Path | None:
+    def _write(self, found: Found) -> Path | None:
         """The files of :meth:`export`, the best policy first (the one that matters most)."""
         from rich.markup import escape  # a path holding "[x]" is text, not rich markup
 
         from autoprec.cache import write_csv
         from autoprec.policy.io import save_policy
 
-        out = self.out
+        out, result, policy = self.out, found.result, found.policy
         trials_path = (
             self.pareto_dir / "trials.csv"
             if self.pareto_dir
             else out.with_name(out.stem + ".trials.csv")
         )
+        self.written["trials"] = trials_path
         if policy is None:
             write_csv(trials_path, result.summary_rows(real_only=False))
-            self.console.print("no real evaluation finished; no policy written")
+            self.line("no real evaluation finished; no policy written")
             return None
         save_policy(policy, out)
         self.policy_saved = True
+        self.written["policy"] = out
         write_csv(trials_path, result.summary_rows(real_only=False))
         best = result.best
         m = best.metrics
-        self.console.print(
+        self.line(
             f"best policy -> {escape(str(out))}: reward {best.reward:.3f}, "
             f"speedup {m.speedup:.2f}x, memory {m.memory_ratio:.2f}x, "
             f"loss delta {m.loss_delta:+.4f} ({len(result.real_trials)} real evaluations)"
         )
-        if amp_reward is not None:
-            self._compare_with_amp(best, amp, amp_reward)
-        if rules:
-            self._compare_with_rules(best, rules)
+        if found.amp_reward is not None:
+            self._say("amp", self._compare_with_amp(best, found.amp, found.amp_reward))
+        if found.rules:
+            self._say("hand_rules", self._compare_with_rules(best, found.rules))
         if self.pareto_dir:
             self._write_pareto(result, self.pareto_dir)
         return out
 
-    def _compare_with_amp(self, best: Any, amp: Any, amp_reward: float) -> None:
+    def _say(self, name: str, verdict: str) -> None:
+        self.verdicts[name] = verdict
+        self.line(verdict)
+
+    def _compare_with_amp(self, best: Any, amp: Any, amp_reward: float) -> str:
+        """The line that compares the best policy with the target's AMP."""
         m = best.metrics
         low = self.device.preferred.low
         same_map = set(best.policy.values()) == {low}  # the best policy is blanket AMP
@@ -154,29 +161,28 @@ class Exporter:
                 else f"predicted speedup within {AMP_SAME_SPEEDUP:.0%} of AMP's, the rest "
                 "is fine-tuning noise"
             )
-            self.console.print(
+            return (
                 f"same as AMP ({amp.speedup:.2f}x, loss delta {amp.loss_delta:+.4f}, "
                 f"reward {amp_reward:.3f}): {why}"
             )
-        elif best.reward > amp_reward:
-            self.console.print(
+        if best.reward > amp_reward:
+            return (
                 f"better than AMP ({amp.speedup:.2f}x, loss delta {amp.loss_delta:+.4f}, "
                 f"reward {amp_reward:.3f}) under the reward"
             )
-        else:
-            self.console.print(
-                f"[yellow]no policy better than AMP was found[/] (AMP reward "
-                f"{amp_reward:.3f} >= best {best.reward:.3f}); the best found is written"
-            )
+        return (
+            f"[yellow]no policy better than AMP was found[/] (AMP reward "
+            f"{amp_reward:.3f} >= best {best.reward:.3f}); the best found is written"
+        )
 
-    def _compare_with_rules(self, best: Any, rules: Sequence[tuple[str, Any, float]]) -> None:
+    def _compare_with_rules(self, best: Any, rules: Sequence[tuple[str, Any, float]]) -> str:
         """One line: the best hand-written fp8 rule under the reward, and whether the searched
         policy beats it."""
         from rich.markup import escape
 
         name, m, reward = max(rules, key=lambda r: r[2])
         verdict = "better than" if best.reward > reward else "[yellow]not better than[/]"
-        self.console.print(
+        return (
             f"{verdict} the best of {len(rules)} hand-written fp8 rules, {escape(name)} "
             f"({m.speedup:.2f}x, loss delta {m.loss_delta:+.4f}, reward {reward:.3f})"
         )
@@ -195,4 +201,5 @@ class Exporter:
             row = {**trial.row(), "reward": round(trial.reward, 6)}
             rows.append({"file": path.name, **{k: row[k] for k in PARETO_FIELDS}})
         write_csv(folder / "pareto.csv", rows)
-        self.console.print(f"{len(rows)} Pareto policies -> {escape(str(folder))}")
+        self.written["pareto"] = folder / "pareto.csv"
+        self.line(f"{len(rows)} Pareto policies -> {escape(str(folder))}")

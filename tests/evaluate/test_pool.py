@@ -7,8 +7,8 @@ import signal
 
 import pytest
 
-from autoprec.cli.search_evaluations import AUTO_WORKERS, MIN_REFERENCE_S, chosen_workers
 from autoprec.evaluate import Evaluator
+from autoprec.pipeline.evaluations import AUTO_WORKERS, MIN_REFERENCE_S, chosen_workers
 
 SMALL = {"steps": 4, "warm_start_steps": 20}
 TARGET = "h100-sxm"

@@ -327,14 +327,14 @@ def test_a_really_full_disk_at_export_keeps_the_policy(
     """The disk fills up during the search (a full one is refused before any work)."""
     import importlib
 
-    search_cli = importlib.import_module("autoprec.cli.search")  # the module, not the command
-    check = search_cli.check_writable
+    checks = importlib.import_module("autoprec.pipeline.checks")
+    check = checks.check_writable
 
     def check_then_fill(*args: object) -> None:
         check(*args)
         full_disk()
 
-    monkeypatch.setattr(search_cli, "check_writable", check_then_fill)
+    monkeypatch.setattr(checks, "check_writable", check_then_fill)
     out = tmp_path / "tmpfs" / "best.yaml"  # on full_disk's folder, filled once it is checked
     assert main([*search(tmp_path)[:-2], "--out", str(out)]) == 2
     err = capsys.readouterr().err
@@ -385,12 +385,12 @@ def test_library_callers_get_the_note_as_a_cache_note_warning(tmp_path):
 def test_an_end_of_file_error_is_an_error_not_an_interrupt(tmp_path, cache, monkeypatch, capsys):
     import importlib
 
-    search_cli = importlib.import_module("autoprec.cli.search")  # the module, not the command
+    run = importlib.import_module("autoprec.pipeline.run")  # the module, not the function
 
     def truncated(self):
         raise EOFError("Ran out of input")
 
-    monkeypatch.setattr(search_cli._SearchRun, "_setup", truncated)
+    monkeypatch.setattr(run._Run, "_setup", truncated)
     assert main(search(tmp_path)) == 1  # not 130, the status of Ctrl-C
     err = capsys.readouterr().err.strip()
     assert "aborted" not in err and "Traceback" not in err

@@ -1,0 +1,405 @@
+"""``run_search``: one whole search, as ``autoprec search`` runs it, without printing.
+
+Phases: check the outputs, build the model and data, the fp32 warm start and reference
+(cached), the per-layer sensitivities (cached), MLflow tracking, the agent's search, the
+comparisons with the target's AMP and the hand-written rules, export, and (``verify``) the
+verification of the exported policy. What happens is told through :class:`SearchCallbacks`;
+what was found comes back as a :class:`SearchReport`.
+
+A ``KeyboardInterrupt`` during the set-up or the search (Ctrl-C; SIGTERM too where the caller's
+``interruptible`` turns it into one) exports what was found so far; running the same search
+again (or with ``resume=True``) continues without repeating finished evaluations: every
+evaluation is kept in the evaluator's SQLite cache, Optuna trials in ``storage`` and the PPO
+agent in a checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from autoprec.pipeline.callbacks import SearchCallbacks
+from autoprec.pipeline.config import (
+    DEFAULT_STORAGE,
+    SEARCH_VERIFY_SEEDS,
+    SEARCH_VERIFY_STEPS,
+    SearchConfig,
+    SearchSetupError,
+)
+from autoprec.pipeline.evaluations import comparisons, prefetch_comparisons, start_workers
+from autoprec.pipeline.export import Exporter, Found
+from autoprec.pipeline.report import Comparison, SearchReport
+from autoprec.pipeline.workload import Workload, build_evaluator, fallback_note, resolve_target
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autoprec.agents import Problem
+    from autoprec.agents.result import SearchResult
+    from autoprec.evaluate import Evaluator, Metrics
+    from autoprec.policy import PrecisionPolicy
+    from autoprec.verify import VerifyConfig
+
+
+def run_search(config: SearchConfig, callbacks: SearchCallbacks | None = None) -> SearchReport:
+    """Run the search ``config`` describes and export its best policy.
+
+    Example:
+        >>> import autoprec  # doctest: +SKIP
+        >>> report = autoprec.search(autoprec.SearchConfig(model="mlp", agent="random",
+        ...                          budget=1, mlflow=False, out="p.yaml"))
+        >>> report.policy_path, report.phase_times["search"]
+
+    Args:
+        config: the search's settings.
+        callbacks: what is told while it runs (None: nothing).
+
+    Raises:
+        SearchSetupError: an output that cannot be written, a precision the target lacks.
+        SearchExportError: the search finished but a file cannot be written.
+        ValueError: any other mistake of the inputs (one line).
+    """
+    return _Run(config, callbacks or SearchCallbacks()).main()
+
+
+class _Run:
+    """One search: setup, phases, interruption, export."""
+
+    def __init__(self, config: SearchConfig, callbacks: SearchCallbacks) -> None:
+        self.c = config
+        self.tell = callbacks
+        self.phases: dict[str, float] = {}
+        self.latest: SearchResult | None = None  # the newest result seen by the search
+        self.tracker: Any = None  # the SearchTracker once the search starts
+        self.problem: Problem | None = None
+        self.evaluator: Evaluator | None = None
+        self.exporter: Exporter | None = None
+        self.rules: list[tuple[str, Metrics, float]] = []  # the hand rules' metrics, rewards
+        self.at_once = 1  # real evaluations side by side (the worker processes)
+        self.verify_status = 0
+
+    def main(self) -> SearchReport:
+        try:
+            return self._main()
+        except BaseException as err:
+            if self.tracker is not None:  # still open only when something went wrong
+                self.tracker.close("KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED")
+            raise
+        finally:
+            if self.evaluator is not None:
+                self.evaluator.stop_workers()
+
+    def _main(self) -> SearchReport:
+        start = time.perf_counter()
+        self._check_output()
+        with self.tell.interruptible():
+            try:
+                problem, agent_kwargs = self._setup()
+                result = self._search(problem, agent_kwargs)
+            except KeyboardInterrupt:
+                return self._interrupted()
+        amp, self.rules = comparisons(problem, self._phase)
+        written = self._export(result, amp, interrupted=False)
+        self._finish_tracking(result, written, amp, status="FINISHED")
+        if self.c.verify and written is not None:
+            self.verify_status = self._verify(written)
+        if not self.verify_status:  # interrupted: the policy is written, the finished runs kept
+            self.phases["total"] = time.perf_counter() - start
+        return self._report(result, amp, interrupted=False)
+
+    def _interrupted(self) -> SearchReport:
+        self.tell.line("[yellow]interrupted: exporting what was found so far[/]")
+        if self.latest is not None:
+            written = self._export(self.latest, None, interrupted=True)
+            self._finish_tracking(self.latest, written, None, status="KILLED")
+        else:
+            self.tell.line("no evaluation finished; nothing to export")
+            if self.tracker is not None:
+                self.tracker.close("KILLED")
+                self.tracker = None
+        return self._report(self.latest, None, interrupted=True)
+
+    def _report(self, result: Any, amp: Any, *, interrupted: bool) -> SearchReport:
+        exporter = self.exporter
+        verdicts = {} if exporter is None else exporter.verdicts
+        amp_cmp = hand = None
+        if amp is not None and "amp" in verdicts and self.problem is not None:
+            amp_cmp = Comparison("amp", amp, self.problem.reward(amp), verdicts["amp"])
+        if self.rules and "hand_rules" in verdicts:
+            name, metrics, reward = max(self.rules, key=lambda r: r[2])
+            hand = Comparison(name, metrics, reward, verdicts["hand_rules"])
+        return SearchReport(
+            config=self.c,
+            result=result,
+            policy=getattr(self, "policy", None),
+            policy_path=None if exporter is None else exporter.written.get("policy"),
+            amp=amp_cmp,
+            hand_rules=hand,
+            rules=tuple(self.rules),
+            written={} if exporter is None else dict(exporter.written),
+            phase_times=dict(self.phases),
+            interrupted=interrupted,
+            verify_status=self.verify_status,
+        )
+
+    @contextlib.contextmanager
+    def _phase(self, name: str, draws_progress: bool = False) -> Iterator[None]:
+        begin = time.perf_counter()
+        with contextlib.nullcontext() if draws_progress else self.tell.working(name):
+            yield
+        self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - begin
+        self.tell.phase_done(name, self.phases[name])
+
+    def _check_output(self) -> None:
+        """Fail before any work if an output cannot be written: ``out`` (its folder and its
+        suffix), ``pareto_dir``, the cache folder, and a damaged SQLite Optuna storage."""
+        from autoprec.agents.naming import state_folder
+        from autoprec.agents.optuna_study import check_storage
+        from autoprec.cache import cache_dir
+        from autoprec.pipeline import checks
+        from autoprec.policy import PolicyError
+        from autoprec.policy.io import policy_format
+        from autoprec.tracking import resolve_tracking_uri
+
+        c = self.c
+        try:
+            policy_format(c.out)
+        except PolicyError as err:
+            raise SearchSetupError(f"--out {err}") from None
+        targets = [Path(c.out).resolve().parent]
+        if c.pareto_dir:
+            targets.append(Path(c.pareto_dir).resolve())
+        checks.check_writable(targets, SearchSetupError)
+        cache_dir()  # a file in its place is an error now, not after the warm start
+        if c.study_name:  # a name that would leave its folder is refused now too
+            state_folder(c.study_name)
+        if c.agent in ("tpe", "nsga2"):
+            tracking = resolve_tracking_uri(c.tracking_uri) if c.mlflow else None
+            check_storage(c.storage or DEFAULT_STORAGE, tracking)
+
+    def _setup(self) -> tuple[Problem, dict[str, Any]]:
+        from autoprec.agents import Problem
+        from autoprec.evaluate.reward import RewardConfig
+        from autoprec.precision import parse_precision
+
+        c = self.c
+        weights = {"speedup": c.w_speedup, "memory": c.w_memory, "accuracy": c.w_accuracy}
+        reward = RewardConfig(weights, c.accuracy_tolerance)
+        device, fell_back = resolve_target(c.target)
+        if fell_back:
+            self.tell.line(fallback_note("optimising"))
+        # every precision the target runs, in action order
+        shown = c.precisions or ",".join(device.supported_precisions)
+        precisions = tuple(p.strip() for p in shown.split(",") if p.strip())
+        lacking = [p.value for p in map(parse_precision, precisions) if not device.supports(p)]
+        if lacking:
+            raise SearchSetupError(
+                f"{device.name} cannot run {', '.join(lacking)} (it supports "
+                f"{', '.join(device.supported_precisions)}); drop it from --precisions"
+            )
+        workload = Workload(
+            c.model, c.dataset, c.data_dir, c.num_classes, c.image_size, c.train_shape,
+            c.train_image_size, c.train_batch_size, c.seed,
+        )  # fmt: skip
+        with self._phase("model and data"):
+            evaluator, workload = build_evaluator(
+                workload, device, fidelity=c.fidelity, steps=c.steps,
+                target_mode=c.target_mode, recipe=c.recipe,
+            )  # fmt: skip
+        self.c = c = dataclasses.replace(
+            c, target=device.name, precisions=shown, dataset=workload.dataset,
+            train_batch_size=workload.cost_batch_size,
+        )  # fmt: skip
+        spec, cost_spec = evaluator.spec, evaluator.cost_spec
+        self.tell.line(
+            f"{spec.name}: fine-tuning at {tuple(spec.input_shape)} on {c.dataset}; "
+            f"costs for {device.name} at batch {c.train_batch_size}, input "
+            f"{tuple(cost_spec.input_shape)}"
+        )
+        # a model with no layer to tune is refused here, before the warm start
+        problem = Problem(evaluator, fidelity=c.fidelity, reward=reward, precisions=precisions)
+        with self._phase("warm start and fp32 reference", draws_progress=True):
+            with self.tell.stage_progress("warm start") as (progress, _):
+                evaluator.warm_start_state(progress)  # its steps and time left, if it trains
+            with self.tell.working("fp32 reference"):
+                evaluator.reference()
+        self.evaluator = evaluator  # its workers are stopped when the search ends
+        self.at_once = start_workers(evaluator, c.workers, self.tell.line)
+        prefetch_comparisons(problem)  # the workers run them while the sensitivities are measured
+        with self._phase("sensitivity", draws_progress=True):
+            with self.tell.stage_progress("sensitivity") as (progress, on_plan):
+                evaluator.surrogate(progress=progress, on_plan=on_plan)
+        self.device = device
+        self.problem = problem
+        pareto = Path(c.pareto_dir) if c.pareto_dir else None
+        self.exporter = Exporter(self.tell.line, spec, device, Path(c.out), pareto)
+        return problem, self._agent_kwargs()
+
+    def _search_name(self) -> str:
+        """The name the search's state is kept under (``study_name``, else the default)."""
+        from autoprec.agents.naming import search_name
+
+        c = self.c
+        if c.study_name:
+            return c.study_name
+        return search_name(c.model, c.dataset, c.target, c.agent, c.seed)
+
+    def _agent_kwargs(self) -> dict[str, Any]:
+        """The agent's options: the search's name and ``resume`` (the agent keeps its own
+        state under that name), and for Optuna the storage and the study it will use."""
+        c = self.c
+        kwargs: dict[str, Any] = {"name": self._search_name(), "resume": c.resume}
+        if c.agent in ("tpe", "nsga2"):
+            from autoprec.agents.optuna_study import shown_storage, study_name_for
+
+            storage = c.storage or DEFAULT_STORAGE
+            study = c.study_name or study_name_for(storage, kwargs["name"], c.resume)
+            self.tell.line(f"optuna study {study!r} in {shown_storage(storage)}")
+            kwargs |= {"storage": storage, "study_name": study}
+        return kwargs
+
+    def _search(self, problem: Problem, agent_kwargs: dict[str, Any]) -> SearchResult:
+        from autoprec.agents import search
+
+        callbacks: list[Any] = [self]  # on_trial: the newest result, what an interrupt exports
+        if self.c.mlflow:
+            self._start_tracking()
+            callbacks.append(self.tracker)
+        begin = time.perf_counter()
+        one = problem.evaluator.reference().wall_time_s  # cached: an evaluation's time
+        with self.tell.search_progress(self.c.budget, one, self.at_once) as shown:
+            result = search(
+                problem,
+                budget=self.c.budget,
+                seed=self.c.seed,
+                callbacks=[*shown, *callbacks],
+                agent=self.c.agent,
+                **agent_kwargs,
+            )
+        self.latest = result
+        self.phases["search"] = time.perf_counter() - begin
+        return result
+
+    def on_trial(self, trial: Any, result: SearchResult) -> None:
+        """A search callback: keeps the newest result (what an interrupted search exports)."""
+        self.latest = result
+
+    def _start_tracking(self) -> None:
+        """Open the MLflow parent run (a failure turns tracking off with one line)."""
+        from autoprec.tracking import SearchTracker
+
+        begin = time.perf_counter()
+        c = self.c
+        self.tracker = SearchTracker(
+            c.model,
+            dataset=c.dataset,
+            target=c.target,
+            agent=c.agent,
+            budget=c.budget,
+            seed=c.seed,
+            fidelity=c.fidelity,
+            reward=self.problem.reward,
+            tracking_uri=c.tracking_uri,
+            experiment=c.experiment,
+            params={
+                "steps": c.steps,
+                "precisions": c.precisions,
+                "train_batch_size": c.train_batch_size,
+                "train_image_size": c.train_image_size,
+                "train_shape": c.train_shape,
+                "image_size": c.image_size,
+                "num_classes": c.num_classes,
+                "study_name": self._search_name(),
+                "resume": c.resume,
+            },
+        )
+        if self.tracker.start():
+            self.tell.line(
+                f"mlflow: run {self.tracker.run_id} in experiment "
+                f"{self.tracker.experiment!r} at {self.tracker.tracking_uri}"
+            )
+        self.phases["tracking"] = time.perf_counter() - begin
+
+    def _finish_tracking(
+        self, result: SearchResult, policy_path: Path | None, amp: Any, status: str
+    ) -> None:
+        """Final metrics and artifacts on the parent run; it ends with ``status``."""
+        if self.tracker is None:
+            return
+        begin = time.perf_counter()
+        fp32 = None
+        if self.problem is not None and status == "FINISHED":
+            fp32 = self.problem.evaluator.reference()  # cached since the warm start
+        self.tracker.finish(
+            result, best_policy_path=policy_path, amp_metrics=amp, fp32_metrics=fp32, status=status
+        )
+        self.phases["tracking"] = self.phases.get("tracking", 0.0) + time.perf_counter() - begin
+
+    def _verify(self, policy_path: Path) -> int:
+        """The verification of the exported policy with ``verify``'s small defaults, at the
+        rate the warm start learnt at (the recipe's unless it backed off); 0, or the exit
+        status of an interrupted verification."""
+        with self._phase("verification", draws_progress=True):  # each run's progress line
+            return self.tell.verify(policy_path, self.c, self._verify_config())
+
+    def _verify_config(self) -> VerifyConfig:
+        """The :class:`~autoprec.verify.VerifyConfig` of ``verify=True``: its small
+        defaults, at the rate the warm start learnt at (a rate fp32 learns at from fresh
+        weights), at the shape the search trained at, with the search's seed, data and
+        tolerance."""
+        from autoprec.verify import VerifyConfig
+
+        c, evaluator = self.c, self.problem.evaluator
+        shape = evaluator.spec.input_shape
+        return VerifyConfig(
+            recipe=dataclasses.replace(evaluator.config.recipe, lr=evaluator.warm_start_lr),
+            steps=SEARCH_VERIFY_STEPS,
+            seeds=tuple(range(c.seed, c.seed + SEARCH_VERIFY_SEEDS)),
+            tolerance=c.accuracy_tolerance,
+            dataset=c.dataset,
+            data_dir=c.data_dir,
+            num_classes=c.num_classes,
+            image_size=shape[-1] if len(shape) == 3 else None,
+        )
+
+    # -- export --
+    def _export(self, result: SearchResult, amp: Any, *, interrupted: bool) -> Path | None:
+        """The search's files (:class:`~autoprec.pipeline.export.Exporter`); the best
+        policy's path, None when no real evaluation finished."""
+        begin = time.perf_counter()
+        self.policy = self._best_policy(result, interrupted)
+        amp_reward = None if amp is None else self.problem.reward(amp)
+        written = self.exporter.export(Found(result, self.policy, amp, amp_reward, self.rules))
+        self.phases["export"] = time.perf_counter() - begin
+        return written
+
+    def _best_policy(self, result: SearchResult, interrupted: bool) -> PrecisionPolicy | None:
+        """The best policy with its provenance; None when no real evaluation finished."""
+        from autoprec.training.recipe import to_provenance
+        from autoprec.verify import WARM_START_LR
+
+        c = self.c
+        if result.best is None:
+            return None
+        policy = result.best_policy(self.exporter.spec_module)
+        return policy.replace(
+            provenance={
+                **dict(policy.provenance),
+                "agent": c.agent,
+                "dataset": c.dataset,
+                "seed": c.seed,
+                "budget": c.budget,
+                "interrupted": str(interrupted).lower(),
+                **to_provenance(self.problem.evaluator.config.recipe),
+                WARM_START_LR: float(f"{self.problem.evaluator.warm_start_lr:g}"),
+                **self._run_provenance(),
+            }
+        )
+
+    def _run_provenance(self) -> dict[str, str]:
+        tracker = self.tracker
+        if tracker is None or not tracker.active or tracker.run_id is None:
+            return {}
+        return {"mlflow_run_id": tracker.run_id}

@@ -1,0 +1,169 @@
+"""What a search trains and what it prices: the model, its data, the production shape, the target.
+
+One :class:`Workload` (model, dataset, shapes, classes, costing batch) and one
+:func:`build_evaluator` that builds the model, its data and the evaluator from it, for the
+search, ``autoprec migrate`` and the experiments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autoprec.evaluate import Evaluator
+    from autoprec.hardware import DeviceSpec
+    from autoprec.models import ModelSpec
+    from autoprec.training.recipe import TrainingRecipe
+
+#: The production batch the cost model prices when none is named (a common per-GPU batch of
+#: the image models it was first built for).
+DEFAULT_TRAIN_BATCH = 256
+#: The target of a machine without a GPU.
+FALLBACK_TARGET = "h100-sxm"
+SMALL_IMAGE = 32  # fine-tuning image size for torchvision models on a CPU
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The model a search fine-tunes, on what data, and the production shape it prices.
+
+    Args:
+        model: a model name or ``module:factory``.
+        dataset: the fine-tuning data (None: the default for the model's task).
+        data_dir: the folder of cifar / imagefolder data.
+        num_classes: the model's classes.
+        image_size: the fine-tuning image size (None: :data:`SMALL_IMAGE` for torchvision
+            models and for a user's factory that needs a size, else the model's own).
+        train_shape: a named production shape for the costs (``llama3-8b``).
+        train_image_size: the production image size for the costs (None: the model's own).
+        cost_batch_size: the production batch (None: the named shape's per-GPU batch, else
+            :data:`DEFAULT_TRAIN_BATCH`).
+        seed: the data's seed.
+    """
+
+    model: str
+    dataset: str | None = None
+    data_dir: str | None = None
+    num_classes: int = 10
+    image_size: int | None = None
+    train_shape: str | None = None
+    train_image_size: int | None = None
+    cost_batch_size: int | None = None
+    seed: int = 0
+
+    def resolved(self) -> Workload:
+        """This workload with its costing batch chosen (see ``cost_batch_size``)."""
+        if self.cost_batch_size is not None:
+            return self
+        from autoprec.models.llama import PRODUCTION_BATCH
+
+        batch = PRODUCTION_BATCH if self.train_shape else DEFAULT_TRAIN_BATCH
+        return replace(self, cost_batch_size=batch)
+
+
+def fallback_note(doing: str) -> str:
+    """The line that says a CPU-only run targets :data:`FALLBACK_TARGET` (``doing``:
+    ``"optimising"``, ``"migrating"``)."""
+    return (
+        f"no GPU here: {doing} for {FALLBACK_TARGET} (choose with --target); precisions are "
+        "emulated and costs predicted by the cost model"
+    )
+
+
+def resolve_target(name: str | None) -> tuple[DeviceSpec, bool]:
+    """``(device, fell_back)``: ``name``, else the local GPU, else :data:`FALLBACK_TARGET`."""
+    from autoprec.hardware import detect, get_device
+
+    if name is not None:
+        return get_device(name), False
+    local = detect()
+    if local.name != "cpu":
+        return local, False
+    return get_device(FALLBACK_TARGET), True
+
+
+def production_spec(
+    spec: ModelSpec,
+    name: str,
+    num_classes: int,
+    train_shape: str | None = None,
+    train_image_size: int | None = None,
+) -> ModelSpec:
+    """The model ``name`` as production trains it, for the cost model: at the named shape
+    ``train_shape`` (built on the meta device: only its shapes are analysed, and its weights
+    could take many GB), else, for an image model, at ``train_image_size``; else ``spec``.
+
+    Raises:
+        autoprec.models.ModelError: the model has no shape ``train_shape`` (the message lists
+            the valid names).
+    """
+    from autoprec.models import load_model
+
+    if train_shape is not None:
+        import torch
+
+        with torch.device("meta"):
+            return load_model(name, num_classes=num_classes, shape=train_shape)
+    if train_image_size is not None and len(spec.input_shape) == 3:
+        return load_model(name, num_classes=num_classes, image_size=train_image_size)
+    return spec
+
+
+def build_evaluator(
+    workload: Workload,
+    device: DeviceSpec | str,
+    *,
+    fidelity: str = "short",
+    steps: int | None = None,
+    target_mode: str = "native",
+    recipe: TrainingRecipe | None = None,
+) -> tuple[Evaluator, Workload]:
+    """Model, data and evaluator of ``workload``, and the workload with its defaults filled
+    in (the dataset's name, the costing batch; for what is printed and logged).
+
+    Fine-tuning at ``image_size`` (:data:`SMALL_IMAGE` for torchvision models and for a
+    user's factory that needs a size), costs at the costing batch and ``train_shape`` or
+    ``train_image_size`` (:func:`production_spec`), feasibility in ``target_mode``, training
+    with ``recipe`` (None: the evaluator's default).
+    """
+    from autoprec.data import load_dataset_for
+    from autoprec.evaluate import Evaluator
+    from autoprec.models import InputShapeError, load_model
+
+    name, classes = workload.model, workload.num_classes
+    image_size = workload.image_size
+    try:
+        spec = load_model(name, num_classes=classes)
+    except InputShapeError:
+        # a user's factory that builds at the size it is given: image_size, else the small
+        # size analyze offers it; that is its own size (the costs' too, but for
+        # train_image_size or train_shape)
+        image_size = image_size or SMALL_IMAGE
+        spec = load_model(name, num_classes=classes, image_size=image_size)
+    if image_size is None and len(spec.input_shape) == 3 and spec.input_shape[-1] == 224:
+        image_size = SMALL_IMAGE
+    cost_spec = production_spec(
+        spec, name, classes, workload.train_shape, workload.train_image_size
+    )
+    if image_size is not None:
+        spec = load_model(name, num_classes=classes, image_size=image_size)
+    data_kwargs: dict[str, Any] = {"seed": workload.seed}
+    if workload.data_dir:
+        data_kwargs["root"] = workload.data_dir
+    data = load_dataset_for(spec, workload.dataset, **data_kwargs)
+    workload = replace(workload.resolved(), dataset=workload.dataset or data.name)
+    settings: dict[str, Any] = {} if recipe is None else {"recipe": recipe}
+    evaluator = Evaluator(
+        spec,
+        data,
+        target=device,
+        fidelity=fidelity,
+        steps=steps,
+        seed=workload.seed,
+        cost_spec=cost_spec,
+        cost_batch_size=workload.cost_batch_size,
+        target_mode=target_mode,
+        **settings,
+    )
+    return evaluator, workload
