@@ -270,3 +270,31 @@ def test_verify_trains_with_the_recipe_a_policy_was_searched_with(
     optimizers_made.clear()
     assert main([*args, "--lr", "1e-3", "--out", str(tmp_path / "b.yaml")]) == 0
     assert optimizers_made == [("training/run", "AdamW", 1e-3)] * 2
+
+
+def test_a_resumed_scheduled_adamw_run_ends_as_an_uninterrupted_one(tmp_path):
+    """The schedule's place and AdamW's moments survive a checkpoint: stopped after step 3 of
+    8 and resumed, the losses and weights are those of the run that never stopped."""
+    from autoprec.data import load_dataset_for
+    from autoprec.models import load_model
+    from autoprec.policy import PrecisionPolicy
+    from autoprec.training.run import train
+
+    recipe = TrainingRecipe(optimizer="adamw", lr=3e-3, warmup_steps=2, schedule="cosine")
+
+    def run(folder: str, **extra):
+        spec = load_model("mlp", seed=0)
+        data = load_dataset_for(spec, "digits", seed=0)
+        settings = dict(steps=8, recipe=recipe, device="cpu", checkpoint_dir=tmp_path / folder)
+        return spec, train(spec, data, PrecisionPolicy(), **settings, **extra)
+
+    spec, whole = run("whole")
+
+    steps: list[int] = []  # the steps done, told by the log
+    with pytest.raises(KeyboardInterrupt):  # TrainInterrupted, at the boundary after step 3
+        run("split", stop=lambda: len(steps) >= 3, log=lambda step, m: steps.append(step))
+    resumed_spec, resumed = run("split")
+    assert resumed.resumed_from == 3
+    assert resumed.train_loss == whole.train_loss
+    for key, value in spec.module.state_dict().items():
+        assert torch.equal(value, resumed_spec.module.state_dict()[key]), key
