@@ -75,9 +75,10 @@ class Evaluator:
         fidelity: default fidelity (see :class:`~autoprec.evaluate.config.EvaluatorConfig`);
             None: the config's (``"short"``).
         config: every setting that decides a result; None: the defaults. The keyword
-            ``settings`` (``steps``, ``replicates``, ``batch_size``, ``lr``, ``finetune_lr``,
+            ``settings`` (``steps``, ``replicates``, ``recipe``, ``finetune_lr``,
             ``momentum``, ``warm_start_steps``, ``seed``, ``batch_seed``, ``cost_batch_size``,
-            ``target_mode``: the fields of :class:`EvaluatorConfig`) replace the config's.
+            ``target_mode``: the fields of :class:`EvaluatorConfig`, and ``batch_size`` and
+            ``lr``, its aliases of the recipe's) replace the config's.
         cache_dir: where ``warmstart/*.pt`` and ``evaluations.sqlite`` live; None means
             ``$AUTOPREC_CACHE_DIR`` or ``~/.cache/autoprec``.
         cost_spec: the model as it will be trained in production, for the cost model's step
@@ -96,7 +97,8 @@ class Evaluator:
 
     Attributes:
         config: the settings (also readable as attributes: ``steps`` and ``replicates`` by
-            fidelity, ``finetune_lr``, ``batch_seed`` and ``cost_batch_size`` resolved).
+            fidelity, ``finetune_lr``, ``batch_seed`` and ``cost_batch_size`` resolved, the
+            ``recipe`` and its ``batch_size`` and ``lr``).
         device: the target's DeviceSpec.
         measured: whether runs are timed on this machine's GPU (the target is this device).
         mode: the runtime mode of the runs, ``"native"`` when measured, else ``"emulate"``.
