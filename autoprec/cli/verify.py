@@ -39,10 +39,6 @@ from autoprec.evaluate.reward import DEFAULT_TOLERANCE
 from autoprec.policy.fields import TARGET_MODES
 from autoprec.verify import DEFAULT_ARMS, WARM_START_LR, VerifyConfig, VerifyError
 
-#: ``autoprec search --verify``: the steps and seeds (from ``--seed``) of its verification.
-SEARCH_VERIFY_STEPS = 50
-SEARCH_VERIFY_SEEDS = 2
-
 
 @click.command()
 @click.argument("policy_file", type=click.Path(dir_okay=False))
@@ -129,25 +125,6 @@ def verify(policy_file: str, **o: Any) -> int:
         )
         return 130
     return 0
-
-
-def search_verify_config(evaluator: Any, o: Mapping[str, Any]) -> Any:
-    """The :class:`~autoprec.verify.VerifyConfig` of ``autoprec search --verify``: its small
-    defaults, at the rate the warm start learnt at (a rate fp32 learns at from fresh weights),
-    at the shape the search trained at, with the search's seed, data and tolerance."""
-    from autoprec.verify import VerifyConfig
-
-    shape = evaluator.spec.input_shape
-    return VerifyConfig(
-        recipe=dataclasses.replace(evaluator.config.recipe, lr=evaluator.warm_start_lr),
-        steps=SEARCH_VERIFY_STEPS,
-        seeds=tuple(range(o["seed"], o["seed"] + SEARCH_VERIFY_SEEDS)),
-        tolerance=o["accuracy_tolerance"],
-        dataset=o["dataset"],
-        data_dir=o["data_dir"],
-        num_classes=o["num_classes"],
-        image_size=shape[-1] if len(shape) == 3 else None,
-    )
 
 
 def run_verification(
