@@ -121,17 +121,15 @@ def _build_evaluator(
     image_size: int | None,
     evaluator_kwargs: dict[str, Any],
 ) -> Evaluator:
-    """The evaluator of ``model`` on ``dataset``, the model sized to the dataset's classes."""
-    from autoprec.data import list_datasets, load_dataset_for
-    from autoprec.evaluate import Evaluator
-    from autoprec.models import load_model
+    """The evaluator of ``model`` on ``dataset``, the model sized to the dataset's classes and
+    fine-tuned at ``image_size`` (None: its own), costed at its own shape
+    (:func:`autoprec.evaluate.workload.build_evaluator`)."""
+    from autoprec.data import list_datasets
+    from autoprec.evaluate.workload import Workload, build_evaluator
 
     classes = {d["name"]: d["num_classes"] for d in list_datasets()}.get(dataset.strip().lower())
-    build: dict[str, Any] = {"image_size": image_size}
-    if classes is not None:
-        build["num_classes"] = classes
-    spec = load_model(model, **build)
-    data = load_dataset_for(spec, dataset, seed=seed)
-    return Evaluator(
-        spec, data, target=target, fidelity=fidelity, steps=steps, seed=seed, **evaluator_kwargs
+    workload = Workload(
+        model, dataset, num_classes=classes, image_size=image_size, small_image=False, seed=seed
     )
+    settings = {"fidelity": fidelity, "steps": steps, **evaluator_kwargs}
+    return build_evaluator(workload, target, **settings)[0]

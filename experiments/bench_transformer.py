@@ -53,9 +53,9 @@ class Args:
 
 def _workload(args: Args):
     """The workload `autoprec search --model M --train-shape S` builds its evaluator from."""
-    from autoprec.pipeline.workload import Workload
+    from autoprec.evaluate.workload import Workload
 
-    return Workload(args.model, train_shape=args.shape)
+    return Workload(args.model, train_shape=args.shape).resolved()
 
 
 def run_search(args: Args, target: str, workdir: Path) -> tuple[float, str]:
@@ -105,9 +105,9 @@ def compare(args: Args, target: str, policy_path: Path) -> dict:
     """The export beside all-bf16 and the hand rules, from the search's cache."""
     from autoprec.agents import Problem
     from autoprec.agents.hand_rules import hand_rule_policies
+    from autoprec.evaluate.workload import build_evaluator
     from autoprec.hardware import get_device
     from autoprec.hardware.runnability import check_runnable
-    from autoprec.pipeline.workload import build_evaluator
     from autoprec.policy.io import load_policy
 
     device = get_device(target)

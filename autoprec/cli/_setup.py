@@ -8,9 +8,7 @@ from typing import Any, TypeVar
 import click
 
 from autoprec.defaults import DEFAULT_DATASET, LANGUAGE_MODEL_DATASET
-from autoprec.pipeline.checks import check_writable
-from autoprec.pipeline.config import DEFAULTS
-from autoprec.pipeline.workload import (
+from autoprec.evaluate.workload import (
     DEFAULT_TRAIN_BATCH,
     FALLBACK_TARGET,
     SMALL_IMAGE,
@@ -19,6 +17,8 @@ from autoprec.pipeline.workload import (
     production_spec,
     resolve_target,
 )
+from autoprec.pipeline.checks import check_writable
+from autoprec.pipeline.config import DEFAULTS
 
 __all__ = [
     "SMALL_IMAGE",
@@ -151,14 +151,15 @@ def _apply(options: list[Callable[[F], F]], command: F) -> F:
 
 def build_evaluator(o: dict[str, Any], device: Any, fidelity: str = "short") -> Any:
     """Model, data and evaluator from the shared options of ``search`` and ``migrate``
-    (:func:`autoprec.pipeline.workload.build_evaluator`); the dataset and the costing batch
+    (:func:`autoprec.evaluate.workload.build_evaluator`); the dataset and the costing batch
     chosen for them are written back into ``o`` for what is printed and logged."""
-    from autoprec.pipeline.workload import build_evaluator as build
+    from autoprec.evaluate.workload import build_evaluator as build
 
     workload = Workload(
         o["model_name"], o["dataset"], o["data_dir"], o["num_classes"], o["image_size"],
-        o.get("train_shape"), o.get("train_image_size"), o.get("train_batch_size"), o["seed"],
-    )  # fmt: skip
+        train_shape=o.get("train_shape"), train_image_size=o.get("train_image_size"),
+        cost_batch_size=o.get("train_batch_size"), seed=o["seed"],
+    ).resolved()  # fmt: skip
     evaluator, workload = build(
         workload, device, fidelity=fidelity, steps=o["steps"],
         target_mode=o.get("target_mode") or "native",

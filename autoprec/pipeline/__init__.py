@@ -8,7 +8,6 @@
   with AMP and the hand rules, export, verification), told through
   :class:`~autoprec.pipeline.callbacks.SearchCallbacks`.
 - :mod:`~autoprec.pipeline.report`: :class:`SearchReport`, what it found, compared and wrote.
-- :mod:`~autoprec.pipeline.workload`: the model, data and evaluator a search builds.
 
 The package is named ``pipeline``, not ``search``: ``autoprec.search`` is the function
 (:func:`run_search`), and a subpackage of that name would shadow it (``import

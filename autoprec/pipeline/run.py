@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from autoprec.evaluate.workload import Workload, build_evaluator, fallback_note, resolve_target
 from autoprec.pipeline.callbacks import SearchCallbacks
 from autoprec.pipeline.config import (
     DEFAULT_STORAGE,
@@ -33,7 +34,6 @@ from autoprec.pipeline.config import (
 from autoprec.pipeline.evaluations import comparisons, prefetch_comparisons, start_workers
 from autoprec.pipeline.export import Exporter, Found
 from autoprec.pipeline.report import Comparison, SearchReport
-from autoprec.pipeline.workload import Workload, build_evaluator, fallback_note, resolve_target
 
 if TYPE_CHECKING:  # pragma: no cover
     from autoprec.agents import Problem
@@ -200,9 +200,10 @@ class _Run:
                 f"{', '.join(device.supported_precisions)}); drop it from --precisions"
             )
         workload = Workload(
-            c.model, c.dataset, c.data_dir, c.num_classes, c.image_size, c.train_shape,
-            c.train_image_size, c.train_batch_size, c.seed,
-        )  # fmt: skip
+            c.model, c.dataset, c.data_dir, c.num_classes, c.image_size,
+            train_shape=c.train_shape, train_image_size=c.train_image_size,
+            cost_batch_size=c.train_batch_size, seed=c.seed,
+        ).resolved()  # fmt: skip
         with self._phase("model and data"):
             evaluator, workload = build_evaluator(
                 workload, device, fidelity=c.fidelity, steps=c.steps,
