@@ -143,7 +143,8 @@ workers_option = click.option(
     default=DEFAULTS["verify"],
     help=f"Then `autoprec verify` the exported policy: it, fp32 and the target's AMP trained "
     f"from scratch for {SEARCH_VERIFY_STEPS} steps with {SEARCH_VERIFY_SEEDS} seeds (from "
-    "--seed), batch 32, lr 0.05, against --accuracy-tolerance; the verdict goes into the "
+    "--seed) with the search's recipe at the rate its warm start learnt at, against "
+    "--accuracy-tolerance; the verdict goes into the "
     "policy file, the curves beside it.",
 )
 @click.option(

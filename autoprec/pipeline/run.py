@@ -264,10 +264,10 @@ class _Run:
     def _search(self, problem: Problem, agent_kwargs: dict[str, Any]) -> SearchResult:
         from autoprec.agents import search
 
-        callbacks: list[Any] = [self]  # on_trial: the newest result, what an interrupt exports
+        tracking: list[Any] = []
         if self.c.mlflow:
             self._start_tracking()
-            callbacks.append(self.tracker)
+            tracking.append(self.tracker)
         begin = time.perf_counter()
         one = problem.evaluator.reference().wall_time_s  # cached: an evaluation's time
         with self.tell.search_progress(self.c.budget, one, self.at_once) as shown:
@@ -275,7 +275,8 @@ class _Run:
                 problem,
                 budget=self.c.budget,
                 seed=self.c.seed,
-                callbacks=[*shown, *callbacks],
+                # self first: the newest result, what an interrupt raised by another exports
+                callbacks=[self, *shown, *tracking],
                 agent=self.c.agent,
                 **agent_kwargs,
             )

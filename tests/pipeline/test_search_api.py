@@ -4,6 +4,8 @@ one line and holds the command's defaults; the recipe flags reach ``SearchConfig
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 import autoprec
@@ -148,3 +150,26 @@ def test_the_search_trains_with_the_configs_recipe(monkeypatch):
     assert seen["recipe"] == recipe
     assert report.interrupted and report.policy_path is None and report.result is None
     assert "no evaluation finished; nothing to export" in told.lines
+
+
+class _StopAtFirstTrial(_Lines):
+    """Ctrl-C as the first evaluation finishes."""
+
+    @contextlib.contextmanager
+    def search_progress(self, budget, evaluation_s, at_once):
+        class Stop:
+            def on_trial(self, trial, result):
+                if trial.real:
+                    raise KeyboardInterrupt
+
+        yield [Stop()]
+
+
+def test_an_interrupted_library_search_exports_what_it_found(tmp_path):
+    config = SearchConfig(model="mlp", agent="random", budget=3, mlflow=False, out="i.yaml")
+    told = _StopAtFirstTrial()
+    report = autoprec.search(config, told)
+    assert report.interrupted and report.amp is None and "total" not in report.phase_times
+    assert report.policy_path is not None and report.policy_path.name == "i.yaml"
+    assert load_policy(tmp_path / "i.yaml").provenance["interrupted"] == "true"
+    assert "[yellow]interrupted: exporting what was found so far[/]" in told.lines
