@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
-    from autoprec.agents.result import SearchResult
+    from autoprec.agents.result import SearchResult, Trial
     from autoprec.evaluate import Metrics
     from autoprec.pipeline.config import SearchConfig
     from autoprec.policy import PrecisionPolicy
@@ -67,7 +67,7 @@ class SearchReport:
     verify_status: int = 0
 
     @property
-    def best(self) -> object:
+    def best(self) -> Trial | None:
         """The best real trial (None: none finished)."""
         return None if self.result is None else self.result.best
 

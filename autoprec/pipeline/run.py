@@ -79,6 +79,7 @@ class _Run:
         self.rules: list[tuple[str, Metrics, float]] = []  # the hand rules' metrics, rewards
         self.at_once = 1  # real evaluations side by side (the worker processes)
         self.verify_status = 0
+        self.policy: PrecisionPolicy | None = None  # the best policy as exported
 
     def main(self) -> SearchReport:
         try:
@@ -133,7 +134,7 @@ class _Run:
         return SearchReport(
             config=self.c,
             result=result,
-            policy=getattr(self, "policy", None),
+            policy=self.policy,
             policy_path=None if exporter is None else exporter.written.get("policy"),
             amp=amp_cmp,
             hand_rules=hand,

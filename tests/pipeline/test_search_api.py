@@ -173,3 +173,13 @@ def test_an_interrupted_library_search_exports_what_it_found(tmp_path):
     assert report.policy_path is not None and report.policy_path.name == "i.yaml"
     assert load_policy(tmp_path / "i.yaml").provenance["interrupted"] == "true"
     assert "[yellow]interrupted: exporting what was found so far[/]" in told.lines
+
+
+def test_a_library_search_with_verify_writes_the_verdict_into_the_policy(tmp_path):
+    config = SearchConfig(
+        model="mlp", agent="random", budget=1, mlflow=False, out="v.yaml", verify=True
+    )
+    report = autoprec.search(config)
+    assert report.verify_status == 0 and "verification" in report.phase_times
+    verification = load_policy(tmp_path / "v.yaml").verification
+    assert verification is not None and verification.verdict
