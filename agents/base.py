@@ -145,7 +145,9 @@ class Problem:
         """
         return layer_policy(assignment)
 
-    def evaluate(self, policy: Any, fidelity: str | None = None) -> Metrics:
+    def evaluate(
+        self, policy: PrecisionPolicy | Mapping[str, str], fidelity: str | None = None
+    ) -> Metrics:
         """``evaluator.evaluate`` at ``fidelity`` (default :attr:`fidelity`); a mapping is
         first turned into a policy by :meth:`to_policy`."""
         if isinstance(policy, Mapping):
@@ -200,7 +202,7 @@ def layer_choices(evaluator: Any, layers: Sequence[str], precisions: Sequence[st
     return {name: [p.value for p in allowed.get(name, ())] or list(precisions) for name in layers}
 
 
-def nearest_allowed(precision: Any, allowed: Sequence[str]) -> str:
+def nearest_allowed(precision: str | Precision, allowed: Sequence[str]) -> str:
     """``precision`` if allowed, else the nearest wider allowed one, else the widest allowed."""
     p: Precision | None = parse_precision(precision)
     while p is not None:

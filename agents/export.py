@@ -11,12 +11,14 @@ from __future__ import annotations
 import datetime
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from autoprec.policy.fields import loss_scaling_for
 from autoprec.precision import Precision
 
 if TYPE_CHECKING:  # pragma: no cover
+    from torch import nn
+
     from autoprec.evaluate import Metrics
     from autoprec.policy import PrecisionPolicy, TargetInfo
 
@@ -49,7 +51,7 @@ def policy_metrics(metrics: Metrics) -> dict[str, float]:
 
 def export_policy(
     policy: PrecisionPolicy,
-    spec_module: Any,
+    spec_module: nn.Module,
     *,
     target: TargetInfo | None,
     metrics: Mapping[str, float],

@@ -21,16 +21,20 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from autoprec.precision import Precision
+
+if TYPE_CHECKING:
+    from autoprec.agents.base import Problem
+    from autoprec.hardware import DeviceSpec
 
 __all__ = ["hand_rule_policies"]
 
 _BLOCK = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")  # the first numbered component: the block index
 
 
-def _amp_format(device: Any, precisions: tuple[str, ...]) -> str:
+def _amp_format(device: DeviceSpec, precisions: tuple[str, ...]) -> str:
     for low in ("bf16", "fp16"):
         if device.supports(low) and low in precisions:
             return low
@@ -65,7 +69,7 @@ def _blocks(names: list[str]) -> dict[str, int]:
     return out
 
 
-def hand_rule_policies(problem: Any) -> list[tuple[str, dict[str, str]]]:
+def hand_rule_policies(problem: Problem) -> list[tuple[str, dict[str, str]]]:
     """``(name, {layer: precision})`` of the hand rules that apply to ``problem`` (see the
     module docstring), every layer named."""
     device = problem.evaluator.device

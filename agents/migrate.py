@@ -46,6 +46,7 @@ from autoprec.precision import Precision, parse_precision
 if TYPE_CHECKING:  # pragma: no cover
     from autoprec.evaluate import Evaluator, Metrics
     from autoprec.hardware import DeviceSpec
+    from autoprec.sensitivities import SensitivityTable
 
 STAGES = ("model", "blocks", "layers")
 #: The :class:`~autoprec.evaluate.Metrics` fields a :class:`MigrationStep` carries as its own.
@@ -167,7 +168,9 @@ class MigrationResult:
         }
 
 
-def check_precision(device: DeviceSpec | str, precision: Any = None) -> Precision:
+def check_precision(
+    device: DeviceSpec | str, precision: str | Precision | None = None
+) -> Precision:
     """The low precision a migration to ``device`` uses, checked.
 
     Args:
@@ -251,14 +254,16 @@ def _split(names: list[str], depth: int, total: int) -> list[tuple[str, list[str
     return out
 
 
-def _block_sensitivity(table: Any, layers: Sequence[str], precision: Any) -> tuple[float, float]:
+def _block_sensitivity(
+    table: SensitivityTable, layers: Sequence[str], precision: str | Precision
+) -> tuple[float, float]:
     scores = [layer_sensitivity(table, name, precision) for name in layers]
     return (sum(s[0] for s in scores), sum(s[1] for s in scores))
 
 
 def migrate(
     evaluator: Evaluator,
-    precision: Any = None,
+    precision: str | Precision | None = None,
     tolerance: float = DEFAULT_TOLERANCE,
     *,
     fidelity: str | None = None,

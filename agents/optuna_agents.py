@@ -52,7 +52,7 @@ import math
 import time
 import warnings
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from autoprec.agents.base import Agent, Session, Trial
 from autoprec.agents.naming import search_name
@@ -78,6 +78,12 @@ from autoprec.agents.optuna_study import (
     worker_of,
 )
 from autoprec.agents.simple import baseline_policies
+
+if TYPE_CHECKING:
+    import optuna
+    from optuna.distributions import BaseDistribution
+    from optuna.samplers import BaseSampler
+    from optuna.storages import BaseStorage
 
 PENALTY_VALUES = {"loss_delta": 10.0, "speedup": 0.0, "memory_ratio": 10.0}
 POLL_S = 1.0  # how often a waiting worker looks at the study again
@@ -105,9 +111,9 @@ class _OptunaAgent(Agent):
 
     def __init__(
         self,
-        storage: Any = None,
+        storage: str | BaseStorage | None = None,
         study_name: str | None = None,
-        sampler: Any = None,
+        sampler: BaseSampler | None = None,
         enqueue_baselines: bool = True,
         max_repeats: int = 100,
         *,
@@ -197,14 +203,14 @@ class _OptunaAgent(Agent):
             load_trials(study, session)  # what other workers finished meanwhile
 
     # --- helpers ------------------------------------------------------------------------------
-    def _ask(self, study: Any, distributions: dict[str, Any]) -> Any:
+    def _ask(self, study: optuna.Study, distributions: dict[str, BaseDistribution]) -> optuna.Trial:
         with ask_lock(self.storage), warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "heartbeat ... optimize"
             trial = study.ask(distributions)
             trial.set_user_attr(WORKER_ATTR, WORKER)
         return trial
 
-    def _drop_waiting(self, study: Any, session: Session) -> None:
+    def _drop_waiting(self, study: optuna.Study, session: Session) -> None:
         """Tell PRUNED (``duplicate_of``) each enqueued (WAITING) trial of a policy the study
         already holds, as an ``ask`` would: workers starting together on a new study both
         enqueue the baselines (Optuna's ``skip_if_exists`` is not atomic across processes),
@@ -225,7 +231,7 @@ class _OptunaAgent(Agent):
             storage.set_trial_user_attr(frozen._trial_id, "duplicate_of", twin)
             storage.set_trial_state_values(frozen._trial_id, TrialState.PRUNED)
 
-    def _budget_left(self, study: Any, budget: int) -> bool:
+    def _budget_left(self, study: optuna.Study, budget: int) -> bool:
         """Whether another trial may be asked, once the trials of dead workers are failed.
 
         While the budget is taken only thanks to RUNNING trials of other machines, which may
@@ -254,7 +260,7 @@ class _OptunaAgent(Agent):
                 return False  # alive: their heartbeat goes on
             time.sleep(POLL_S)
 
-    def _fail_stale(self, study: Any) -> None:
+    def _fail_stale(self, study: optuna.Study) -> None:
         """Fail (and retry) the RUNNING trials of dead workers: this host's at once, others'
         when their heartbeat is older than the grace period."""
         import optuna
@@ -273,7 +279,7 @@ class _OptunaAgent(Agent):
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             optuna.storages.fail_stale_trials(study)
 
-    def _seed(self, study: Any, session: Session) -> int:
+    def _seed(self, study: optuna.Study, session: Session) -> int:
         """The seed of the next proposal: the search's seed and the finished trials."""
         from optuna.trial import TrialState
 
@@ -331,7 +337,7 @@ class _OptunaAgent(Agent):
 
     @staticmethod
     def _duplicate(
-        study: Any, session: Session, number: int, policy: Mapping[str, str]
+        study: optuna.Study, session: Session, number: int, policy: Mapping[str, str]
     ) -> int | None:
         """The optuna number of a trial with the same policy, COMPLETE or RUNNING, if any."""
         from optuna.trial import TrialState
@@ -394,7 +400,11 @@ class NSGA2Agent(_OptunaAgent):
     directions = ("minimize", "maximize", "minimize")
 
     def __init__(
-        self, *, sampler: Any = "nsga2", population_size: int | None = None, **kwargs: Any
+        self,
+        *,
+        sampler: BaseSampler | str = "nsga2",
+        population_size: int | None = None,
+        **kwargs: Any,
     ) -> None:
         if isinstance(sampler, str) and sampler not in ("nsga2", "tpe"):
             raise ValueError(

@@ -22,6 +22,10 @@ from autoprec._sqlite import sqlite_file, sqlite_lock
 from autoprec._text import excerpt
 
 if TYPE_CHECKING:  # pragma: no cover
+    import optuna
+    from optuna.storages import BaseStorage
+    from optuna.trial import FrozenTrial, TrialState
+
     from autoprec.agents.base import Session
     from autoprec.agents.result import Trial
 
@@ -210,7 +214,7 @@ def process_start(pid: int) -> str | None:
 WORKER = {"host": socket.gethostname(), "pid": os.getpid(), "start": process_start(os.getpid())}
 
 
-def worker_of(trial: Any) -> dict[str, Any]:
+def worker_of(trial: optuna.Trial | FrozenTrial) -> dict[str, Any]:
     worker = trial.user_attrs.get(WORKER_ATTR)
     return worker if isinstance(worker, dict) else {}
 
@@ -243,13 +247,13 @@ def retry_callback() -> Any:
         return (cls or optuna.storages.RetryFailedTrialCallback)(max_retry=MAX_RETRY)
 
 
-def heartbeat_interval(storage: Any) -> int | None:
+def heartbeat_interval(storage: object) -> int | None:
     getter = getattr(storage, "get_heartbeat_interval", None)
     return getter() if callable(getter) else None
 
 
 @contextmanager
-def heartbeat(storage: Any, trial: Any) -> Iterator[None]:
+def heartbeat(storage: BaseStorage, trial: optuna.Trial) -> Iterator[None]:
     """Record ``trial``'s heartbeat now and every interval until the block ends (what
     ``study.optimize`` does for its trials; ask-and-tell has to do it itself)."""
     interval = heartbeat_interval(storage)
@@ -270,7 +274,10 @@ def heartbeat(storage: Any, trial: Any) -> Iterator[None]:
 
 
 def tell(
-    study: Any, trial: Any, values: list[float], attrs: Mapping[str, Any] | None = None
+    study: optuna.Study,
+    trial: optuna.Trial,
+    values: list[float],
+    attrs: Mapping[str, Any] | None = None,
 ) -> None:
     """Set ``attrs`` as the trial's user attrs, then ``study.tell``; a trial another worker has
     failed meanwhile (its heartbeat was late) keeps its result in this search and in the
@@ -289,12 +296,12 @@ def tell(
         )
 
 
-def count(study: Any, states: tuple[Any, ...], below: int | None = None) -> int:
+def count(study: optuna.Study, states: tuple[TrialState, ...], below: int | None = None) -> int:
     trials = study.get_trials(deepcopy=False, states=states)
     return sum(1 for t in trials if below is None or t.number < below)
 
 
-def check_study(study: Any, session: Session) -> None:
+def check_study(study: optuna.Study, session: Session) -> None:
     """Refuse a study made for another model, target or fidelity."""
     problem = session.problem
     meta = {
@@ -318,7 +325,7 @@ def check_study(study: Any, session: Session) -> None:
         )
 
 
-def load_trials(study: Any, session: Session) -> None:
+def load_trials(study: optuna.Study, session: Session) -> None:
     """Add the study's COMPLETE trials that this search does not hold yet."""
     from optuna.trial import TrialState
 

@@ -14,16 +14,19 @@ resumed search polishes as the interrupted one did.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autoprec.agents.result import SURROGATE
+
+if TYPE_CHECKING:
+    from autoprec.agents.base import Problem, Session
 
 __all__ = ["MAX_PASSES", "polish", "polish_starts", "polished"]
 
 MAX_PASSES = 2  # passes over the layers per start
 
 
-def polish(problem: Any, start: Mapping[str, str], max_passes: int = MAX_PASSES) -> tuple:
+def polish(problem: Problem, start: Mapping[str, str], max_passes: int = MAX_PASSES) -> tuple:
     """``(policy, metrics, reward)``: ``start`` improved layer by layer on the surrogate.
 
     Each pass visits the layers in execution order and tries every other precision the layer
@@ -51,7 +54,7 @@ def polish(problem: Any, start: Mapping[str, str], max_passes: int = MAX_PASSES)
 
 
 def polish_starts(
-    problem: Any, baselines: Sequence[Mapping[str, str]], proposals: Sequence[Mapping[str, str]]
+    problem: Problem, baselines: Sequence[Mapping[str, str]], proposals: Sequence[Mapping[str, str]]
 ) -> list[dict[str, str]]:
     """The starting points: the baseline with the best surrogate reward and the best of
     ``proposals`` (already ranked best first), without repeats."""
@@ -65,7 +68,7 @@ def polish_starts(
 
 
 def polished(
-    session: Any, proposals: Sequence[tuple[float, Mapping[str, str]]]
+    session: Session, proposals: Sequence[tuple[float, Mapping[str, str]]]
 ) -> list[tuple[dict, Any]]:
     """``(policy, surrogate metrics)`` of the polished starts (:func:`polish_starts`) for a
     search ``session``: its baselines, hand rules included, and its best proposal

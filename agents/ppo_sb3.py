@@ -5,9 +5,12 @@ full, the callback that records training episodes, and a logger that leaves no f
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autoprec.agents.base import Session, StopSearch
+
+if TYPE_CHECKING:
+    from autoprec.agents.result import Trial
 
 MIN_ROLLOUT = 64
 
@@ -85,7 +88,7 @@ def callback_class() -> type:
     return Collector
 
 
-def add_to_pool(pool: Pool, session: Session, trial: Any) -> None:
+def add_to_pool(pool: Pool, session: Session, trial: Trial) -> None:
     key = session.key(trial.policy)
     if key not in pool or trial.reward > pool[key][0]:
         pool[key] = (trial.reward, trial.policy)

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 from autoprec.agents.export import export_policy, layer_policy, policy_metrics
 
 if TYPE_CHECKING:  # pragma: no cover
+    from torch import nn
+
     from autoprec.evaluate import Metrics
     from autoprec.policy import PrecisionPolicy
 
@@ -158,7 +160,7 @@ class SearchResult:
             if not any(_dominates(q, p) for q in points)
         ]
 
-    def best_policy(self, spec_module: Any) -> PrecisionPolicy | None:
+    def best_policy(self, spec_module: nn.Module) -> PrecisionPolicy | None:
         """The best trial's policy, ready to save (:func:`autoprec.save_policy`).
 
         Args:
@@ -172,7 +174,7 @@ class SearchResult:
         best = self.best
         return None if best is None else self.policy_of(best, spec_module)
 
-    def policy_of(self, trial: Trial, spec_module: Any) -> PrecisionPolicy:
+    def policy_of(self, trial: Trial, spec_module: nn.Module) -> PrecisionPolicy:
         """Any trial's policy as :meth:`best_policy` builds it (e.g. each Pareto point)."""
         from autoprec.policy import TargetInfo
 

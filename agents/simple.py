@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from autoprec.agents.base import Agent, Session, nearest_allowed
 from autoprec.agents.hand_rules import hand_rule_policies
@@ -186,7 +186,9 @@ def _narrower(precision: str, allowed: list[str]) -> list[str]:
     return sorted(lower, key=lambda p: -parse_precision(p).width)
 
 
-def layer_sensitivity(table: SensitivityTable, layer: str, precision: Any) -> tuple[float, float]:
+def layer_sensitivity(
+    table: SensitivityTable, layer: str, precision: str | Precision
+) -> tuple[float, float]:
     """``(gradient distance, |loss_delta|)`` of ``layer`` at ``precision`` in a sensitivity
     table (or at its nearest wider precision there); infinite when the table does not know the
     layer or a value is not finite."""

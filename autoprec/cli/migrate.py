@@ -9,12 +9,15 @@ printed as it finishes. Writes the final policy (``--out``) and the plan of ever
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from autoprec.cli import _setup as setup
 from autoprec.evaluate.reward import DEFAULT_TOLERANCE
+
+if TYPE_CHECKING:
+    from autoprec.agents.migrate import MigrationResult, MigrationStep
 
 
 class MigrateSetupError(ValueError):
@@ -86,7 +89,7 @@ def _target(name: str | None) -> Any:
     return device
 
 
-def _print_step(step: Any) -> None:
+def _print_step(step: MigrationStep) -> None:
     what = f"{step.item} ({len(step.layers)} layers)" if len(step.layers) > 1 else step.item
     verdict = "kept" if step.accepted else "reverted" if step.pays else "reverted (no gain)"
     if step.diverged:
@@ -97,7 +100,7 @@ def _print_step(step: Any) -> None:
     )
 
 
-def _summary(result: Any) -> str:
+def _summary(result: MigrationResult) -> str:
     m = result.metrics
     outcome = (
         f"loss delta {m.loss_delta:+.4f}, speedup {m.speedup:.2f}x, memory {m.memory_ratio:.2f}x"
@@ -115,7 +118,7 @@ def _summary(result: Any) -> str:
     )
 
 
-def _write(result: Any, out: Path, plan: Path) -> None:
+def _write(result: MigrationResult, out: Path, plan: Path) -> None:
     """The policy and the plan (:func:`autoprec.cache.write_output`: what cannot be written
     is kept in the cache's recovered folder, and the error says where)."""
     import yaml

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -29,6 +29,9 @@ from autoprec.graph.trace import AtenOps, FunctionCalls, Recorder, module_hooks
 from autoprec.hardware.runnability import layer_kind
 from autoprec.layers import geometry, is_tunable, model_fingerprint, tunable_layers
 from autoprec.models.user import user_code
+
+if TYPE_CHECKING:
+    from autoprec.models import ModelSpec
 
 __all__ = ["FLOP_UNIT", "AnalysisError", "LayerRow", "LayerTable", "analyze"]
 
@@ -43,7 +46,7 @@ def _seed_rule(module: nn.Module) -> str:
 
 
 def analyze(
-    spec: Any, batch: int | tuple[torch.Tensor, torch.Tensor] = 2, *, cache: bool = False
+    spec: ModelSpec, batch: int | tuple[torch.Tensor, torch.Tensor] = 2, *, cache: bool = False
 ) -> LayerTable:
     """Analyse ``spec.module`` on one batch.
 
@@ -78,7 +81,7 @@ def analyze(
     return table
 
 
-def _example_batch(spec: Any, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _example_batch(spec: ModelSpec, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``spec.example_batch(batch)`` drawn on the meta device (only shapes and dtypes are used,
     and drawing a large batch of random images takes a while); on the CPU if it cannot be."""
     try:
@@ -88,7 +91,7 @@ def _example_batch(spec: Any, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         return spec.example_batch(batch)
 
 
-def _analyze(spec: Any, x: torch.Tensor, y: torch.Tensor) -> LayerTable:
+def _analyze(spec: ModelSpec, x: torch.Tensor, y: torch.Tensor) -> LayerTable:
     # Shapes are all the analysis needs: run a copy on the meta device, so any batch size and
     # image size cost milliseconds and the user's model is never touched. A model whose forward
     # reads values (``.item()``, data-dependent shapes) runs on the CPU at the same shapes.
@@ -117,7 +120,7 @@ def _real(t: torch.Tensor) -> torch.Tensor:
     return torch.zeros(t.shape, dtype=t.dtype) if t.is_meta else t.to("cpu")
 
 
-def _run(spec: Any, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> LayerTable:
+def _run(spec: ModelSpec, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> LayerTable:
     layers = dict(tunable_layers(model))
     rec = Recorder(model, layers)
     rec.tag_input(x)

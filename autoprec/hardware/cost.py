@@ -100,7 +100,7 @@ from autoprec.precision import PRECISION_NAMES, Precision, parse_precision
 
 if TYPE_CHECKING:
     from autoprec.graph.table import LayerRow, LayerTable
-    from autoprec.policy import PrecisionPolicy
+    from autoprec.policy.precision_policy import PolicyLike
 
 OPTIMIZER_BYTES_PER_PARAM = {"sgd": 4 * 4, "adam": 7 * 4, "adamw": 7 * 4}
 OPTIMIZER_STATE_BYTES_PER_PARAM = {"sgd": 4, "adam": 8, "adamw": 8}
@@ -263,7 +263,7 @@ class CostModel:
     def step(
         self,
         table: LayerTable,
-        policy: PrecisionPolicy | Mapping[str, str | Precision] | str | Precision,
+        policy: PolicyLike,
         optimizer: str = "sgd",
         batch_size: int | None = None,
         memory_format: str = "contiguous",
@@ -372,7 +372,9 @@ class CostModel:
         """The torch device type the target trains on (autocast's lists depend on it)."""
         return "cuda" if self.device.vendor in ("nvidia", "amd") else "cpu"
 
-    def program(self, table: LayerTable, policy: Any) -> Program:
+    def program(
+        self, table: LayerTable, policy: PolicyLike | Callable[[str], Precision]
+    ) -> Program:
         """The casts and matrix operations of one native training step of the analysed model
         under ``policy`` on this device (:func:`autoprec.hardware.program.program`): the
         kernel inventory :meth:`step` prices, comparable with a recording of the runtime.
@@ -449,7 +451,7 @@ def _tensor_core_conv(row: LayerRow, precision: Precision) -> bool:
     return row.fan_in > math.prod(row.kernel_size)  # more than one input channel per group
 
 
-def _precision_lookup(policy: Any) -> Any:
+def _precision_lookup(policy: object) -> Callable[[str], Precision]:
     """A ``name -> Precision`` function for what :meth:`PrecisionPolicy.coerce` accepts."""
     from autoprec.policy import PrecisionPolicy
 
@@ -462,7 +464,7 @@ def _precision_lookup(policy: Any) -> Any:
         ) from None
 
 
-def _unscales(policy: Any, precisions: Callable[[], Mapping[str, Precision]]) -> bool:
+def _unscales(policy: PolicyLike, precisions: Callable[[], Mapping[str, Precision]]) -> bool:
     """Whether a step under ``policy`` unscales its gradients (see the module docstring)."""
     from autoprec.policy import PrecisionPolicy
     from autoprec.policy.fields import loss_scaling_for

@@ -46,19 +46,19 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from functools import cache
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
 from autoprec.precision import MX_BLOCK, Precision, parse_precision
 
 if TYPE_CHECKING:
     from autoprec.graph.table import LayerRow, LayerTable
-    from autoprec.hardware.database import DeviceSpec
 
 __all__ = [
     "Backend",
     "FLOAT8_DIVISOR",
     "LAYER_KINDS",
     "NotRunnableError",
+    "Target",
     "Verdict",
     "LayerShape",
     "check_runnable",
@@ -90,6 +90,17 @@ class Backend(str, Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+class Target(Protocol):
+    """What the table reads of a target: a :class:`~autoprec.hardware.DeviceSpec`, or the local
+    device's stand-in (:func:`autoprec.runtime.native.local_device`)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def supported_precisions(self) -> tuple[str, ...]: ...
 
 
 class NotRunnableError(ValueError):
@@ -150,7 +161,7 @@ def _base(precision: Precision) -> Backend:
 def runnability(
     kind: str,
     precision: str | Precision,
-    device: DeviceSpec | Iterable[str],
+    device: Target | Iterable[str],
     *,
     features: tuple[int, int] | None = None,
     mode: str = "native",
@@ -242,7 +253,7 @@ def shapes_of(table: LayerTable) -> dict[str, LayerShape]:
 
 
 def verdict_for_row(
-    row: LayerRow, precision: str | Precision, device: Any, mode: str = "native"
+    row: LayerRow, precision: str | Precision, device: Target | Iterable[str], mode: str = "native"
 ) -> Verdict:
     """:func:`runnability` of an analysed layer (its kind and shape from the table)."""
     shape = LayerShape.of_row(row)
@@ -251,7 +262,7 @@ def verdict_for_row(
 
 def unrunnable(
     precisions: Mapping[str, str | Precision],
-    device: Any,
+    device: Target | Iterable[str],
     shapes: Mapping[str, LayerShape],
     mode: str = "native",
 ) -> dict[str, Verdict]:
@@ -285,7 +296,7 @@ def unrunnable(
 
 def runnable_precisions(
     table: LayerTable,
-    device: Any,
+    device: Target | Iterable[str],
     precisions: Iterable[str | Precision],
     mode: str = "native",
 ) -> dict[str, tuple[Precision, ...]]:
@@ -308,7 +319,7 @@ def runnable_precisions(
 
 
 def describe(
-    device: Any, table: LayerTable | None = None, mode: str = "native"
+    device: Target | Iterable[str], table: LayerTable | None = None, mode: str = "native"
 ) -> dict[str, dict[str, str]]:
     """The table as text, for ``autoprec hardware show`` and ``autoprec analyze``: per layer
     kind (or, with ``table``, per layer) and precision, the backend or ``"no: <reason>"``."""
@@ -331,7 +342,7 @@ def describe(
 def check_runnable(
     table: LayerTable,
     precisions: Mapping[str, str | Precision],
-    device: Any,
+    device: Target | Iterable[str],
     mode: str = "native",
 ) -> None:
     """Refuse a policy that the target cannot run natively.
@@ -350,7 +361,7 @@ def check_runnable(
     refuse(unrunnable(analysed, device, shapes, mode), device)
 
 
-def refuse(verdicts: Mapping[str, Verdict], device: Any) -> None:
+def refuse(verdicts: Mapping[str, Verdict], device: Target | Iterable[str]) -> None:
     """Raise for the layers :func:`unrunnable` found, if any.
 
     Raises:

@@ -52,6 +52,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "PATTERN_TIMEOUT_S",
+    "PolicyLike",
     "PolicyMismatchError",
     "PolicyReport",
     "PrecisionPolicy",
@@ -366,6 +367,12 @@ class PrecisionPolicy:
         }
         text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
         return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+
+
+#: What :meth:`PrecisionPolicy.coerce` reads as a policy (and so what the runtime, the cost model
+#: and the evaluator accept): a policy, a ``{name or "re:<pattern>": precision}`` mapping, or one
+#: precision for every layer.
+PolicyLike = PrecisionPolicy | Mapping[str, str | Precision] | str | Precision
 
 
 def policy_from_data(

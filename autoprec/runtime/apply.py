@@ -27,7 +27,7 @@ import dataclasses
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -42,6 +42,9 @@ from autoprec.runtime import native
 from autoprec.runtime.functional import WeightUseMode
 from autoprec.runtime.handle import Removable
 from autoprec.runtime.layer import LayerStats, ManagedLayer
+
+if TYPE_CHECKING:
+    from autoprec.policy.precision_policy import PolicyLike
 
 __all__ = [
     "apply_policy",
@@ -220,7 +223,7 @@ class PolicyHandle(Removable):
         _applied[layer.runner] = _applied[module]
 
 
-def resolve_layers(model: nn.Module, policy: Any) -> dict[str, Precision]:
+def resolve_layers(model: nn.Module, policy: PolicyLike) -> dict[str, Precision]:
     """The layers ``policy`` puts under the runtime; a mapping (read as
     :meth:`PrecisionPolicy.coerce` reads it) puts only those it names, exactly or by pattern."""
     coerced = PrecisionPolicy.coerce(policy)
@@ -260,7 +263,7 @@ def _pick_mode(model: nn.Module, mode: str) -> str:
 
 def apply_policy(
     model: nn.Module,
-    policy: Any,
+    policy: PolicyLike,
     mode: str = "auto",
     guard: GuardConfig | None = None,
 ) -> PolicyHandle:

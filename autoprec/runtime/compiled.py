@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -31,6 +31,9 @@ from autoprec.hardware.program import region_of
 from autoprec.precision import Precision
 from autoprec.runtime import native
 from autoprec.runtime.handle import Removable
+
+if TYPE_CHECKING:
+    from autoprec.policy.precision_policy import PolicyLike
 
 __all__ = ["CompiledPolicy", "NotCompilableError", "check_compilable", "compile_policy"]
 
@@ -85,7 +88,7 @@ class CompiledPolicy(Removable):
         self.removed = True
 
 
-def check_compilable(model: nn.Module, policy: Any) -> dict[str, Precision]:
+def check_compilable(model: nn.Module, policy: PolicyLike) -> dict[str, Precision]:
     """Each tunable layer's precision under ``policy`` (layers a mapping does not name: fp32,
     as native mode holds them).
 
@@ -108,7 +111,7 @@ def check_compilable(model: nn.Module, policy: Any) -> dict[str, Precision]:
     return precisions
 
 
-def compile_policy(model: nn.Module, policy: Any, *, compile: bool = True, **options: Any):
+def compile_policy(model: nn.Module, policy: PolicyLike, *, compile: bool = True, **options: Any):
     """Run ``policy``'s native program on ``model`` in a form ``torch.compile`` traces (see
     the module docstring), and compile the model in place (``model.compile(**options)``)
     unless ``compile`` is False.

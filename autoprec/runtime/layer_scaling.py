@@ -37,7 +37,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -46,6 +46,9 @@ from autoprec.kernels import get_format
 from autoprec.precision import Precision, parse_precision
 from autoprec.runtime.apply import PolicyHandle
 from autoprec.runtime.handle import Removable
+
+if TYPE_CHECKING:
+    from autoprec.runtime.layer import ManagedLayer
 
 __all__ = ["DEFAULT_MARGIN", "LayerScaling", "apply_layer_scaling"]
 
@@ -111,7 +114,9 @@ class _DelayedScale:
 class _ScaledLayer:
     """The delayed-scaling state of one layer, plugged into its runtime slot."""
 
-    def __init__(self, name: str, layer: Any, fmt: str, history_len: int, margin: int):
+    def __init__(
+        self, name: str, layer: ManagedLayer, fmt: str, history_len: int, margin: int
+    ) -> None:
         self.name = name
         self.layer = layer  # the runtime's per-layer state (PolicyHandle.layers[name])
         self.delayed = _DelayedScale(get_format(fmt).max_finite, history_len, margin)

@@ -20,12 +20,15 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from autoprec._values import FLOAT32_MAX, FLOAT32_TINY
 from autoprec.policy import LOSS_SCALING_KINDS
+
+if TYPE_CHECKING:
+    from autoprec.policy import PrecisionPolicy
 
 __all__ = ["LOSS_SCALER_KINDS", "SCALE_RANGE", "LossScaler", "ScaleRecord"]
 
@@ -203,7 +206,9 @@ class LossScaler(torch.amp.GradScaler):
         self._min_scale = math.inf
 
     @classmethod
-    def from_policy(cls, policy: Any, *, device: str | torch.device | None = None) -> LossScaler:
+    def from_policy(
+        cls, policy: PrecisionPolicy | None, *, device: str | torch.device | None = None
+    ) -> LossScaler:
         """The scaler a policy asks for: :meth:`from_config` of its ``loss_scaling`` section.
 
         A policy without that section (no fp16 layers, typically) gets a disabled scaler whose

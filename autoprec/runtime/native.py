@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from autoprec.hardware.program import region_of
-from autoprec.hardware.runnability import LayerShape, refuse, unrunnable
+from autoprec.hardware.runnability import LayerShape, Target, refuse, unrunnable
 from autoprec.precision import Precision, mx_io_format
 
 __all__ = [
@@ -60,7 +60,7 @@ class _LocalCpu:
     supported_precisions: tuple[str, ...] = CPU_NATIVE_PRECISIONS
 
 
-def local_device(device_type: str) -> Any:
+def local_device(device_type: str) -> Target:
     """What the local device runs natively: a ``DeviceSpec``-like object with ``name`` and
     ``supported_precisions`` (the CPU's from :data:`CPU_NATIVE_PRECISIONS`, an accelerator's
     from :func:`autoprec.hardware.detect`)."""
@@ -71,7 +71,7 @@ def local_device(device_type: str) -> Any:
     return detect()
 
 
-def check_native(layers: Mapping[str, tuple[nn.Module, Precision]], device: Any) -> None:
+def check_native(layers: Mapping[str, tuple[nn.Module, Precision]], device: Target) -> None:
     """Refuse precisions that ``device`` cannot run natively for these layers.
 
     Raises:

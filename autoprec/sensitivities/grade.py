@@ -189,7 +189,13 @@ Progress = Callable[[str, int, int], None]
 
 
 def _warm_start(
-    model: torch.nn.Module, spec: Any, data: Any, steps: int, lr: float, batch: int, seed: int
+    model: torch.nn.Module,
+    spec: ModelSpec,
+    data: DataBundle,
+    steps: int,
+    lr: float,
+    batch: int,
+    seed: int,
 ) -> None:
     """``steps`` fp32 SGD steps at ``lr``, backed off to a rate at which the model learns
     (:func:`autoprec.training.pretrain.train_fp32`; when none does, the last attempt's weights,
@@ -210,7 +216,9 @@ def _warm_start(
         warnings.warn(note, stacklevel=3)
 
 
-def _step_seconds(model: torch.nn.Module, spec: Any, data: Any, batch: int, seed: int) -> float:
+def _step_seconds(
+    model: torch.nn.Module, spec: ModelSpec, data: DataBundle, batch: int, seed: int
+) -> float:
     """One fp32 forward and backward pass at the warm-up's batch, timed on a copy of ``model``
     (so that its batch-norm statistics stay as they are); the second of two (the first call
     allocates)."""
@@ -236,8 +244,8 @@ def _entry(fingerprint: str, data_key: str, settings: dict) -> Path:
 
 
 def sensitivity(
-    spec: Any,
-    data: Any,
+    spec: ModelSpec,
+    data: DataBundle,
     formats: Sequence[str] = DEFAULT_FORMATS,
     batches: int = 4,
     *,

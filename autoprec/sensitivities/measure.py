@@ -18,7 +18,7 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -28,6 +28,9 @@ from autoprec.layers import tunable_layers
 from autoprec.precision import Precision
 from autoprec.runtime import GuardConfig, apply_policy
 from autoprec.sensitivities.budget import Row
+
+if TYPE_CHECKING:
+    from autoprec.models import ModelSpec
 
 #: ``grade(index, layer, precision) -> (loss_delta, grad_cosine)``
 Grade = Callable[[int, str, Precision], tuple[float, float]]
@@ -54,7 +57,9 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(torch.dot(a, b) / (na * nb))
 
 
-def loss_and_grad(model: nn.Module, spec: Any, x, y) -> tuple[float, torch.Tensor]:
+def loss_and_grad(
+    model: nn.Module, spec: ModelSpec, x: torch.Tensor, y: torch.Tensor
+) -> tuple[float, torch.Tensor]:
     """One forward and backward pass: the loss and the flat gradient (:func:`flat_grad`)."""
     model.zero_grad(set_to_none=True)
     loss = spec.loss(model(x), y)
@@ -99,7 +104,7 @@ class Measurer:
         pass_s: how long that pass took (seconds).
     """
 
-    def __init__(self, model: nn.Module, spec: Any, x: torch.Tensor, y: torch.Tensor) -> None:
+    def __init__(self, model: nn.Module, spec: ModelSpec, x: torch.Tensor, y: torch.Tensor) -> None:
         measurement_mode(model)
         self.model, self.spec, self.x, self.y = model, spec, x, y
         layers = list(tunable_layers(model))

@@ -31,9 +31,12 @@ from collections.abc import Iterator, Mapping
 from contextvars import ContextVar
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autoprec._sqlite import sqlite_lock
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 STATUSES = ("FINISHED", "KILLED", "FAILED")
@@ -124,7 +127,7 @@ def _scoped_get(name: str, read: Any) -> Any:
     return get
 
 
-def experiment_id(client: Any, name: str) -> str:
+def experiment_id(client: MlflowClient, name: str) -> str:
     """The id of experiment ``name``, created (with :data:`EXPERIMENT_TAGS`) if missing.
 
     Raises:
@@ -162,7 +165,7 @@ def process_alive(pid: int) -> bool:
     return True
 
 
-def end_stale_runs(client: Any, experiment: str) -> int:
+def end_stale_runs(client: MlflowClient, experiment: str) -> int:
     """End as ``KILLED`` the runs of experiment id ``experiment`` left ``RUNNING`` by a process
     of this host that is gone (their :data:`PID_TAG`); returns how many.
 

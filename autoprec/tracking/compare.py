@@ -22,7 +22,7 @@ import tempfile
 from collections.abc import Iterable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autoprec._sqlite import sqlite_file
 from autoprec.tracking.client import (
@@ -32,6 +32,10 @@ from autoprec.tracking.client import (
     one_line,
     resolve_tracking_uri,
 )
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
+    from mlflow.entities import Run
 
 __all__ = [
     "COLUMNS",
@@ -227,7 +231,7 @@ def _missing_sqlite(uri: str) -> Path | None:
     return None if file is None or file.exists() else file
 
 
-def _experiments(client: Any, experiment: str | None, model: str | None) -> list[Any]:
+def _experiments(client: MlflowClient, experiment: str | None, model: str | None) -> list[Any]:
     if experiment is None and model is not None:
         found = client.get_experiment_by_name(f"autoprec/{model}")
         return [found] if found is not None and found.lifecycle_stage == "active" else []
@@ -244,12 +248,12 @@ def _experiments(client: Any, experiment: str | None, model: str | None) -> list
     return [found]
 
 
-def _autoprec_experiments(client: Any) -> list[Any]:
+def _autoprec_experiments(client: MlflowClient) -> list[Any]:
     found = client.search_experiments(filter_string="name LIKE 'autoprec/%'")
     return sorted(found, key=lambda e: e.name)
 
 
-def _parent_runs(client: Any, experiment_id: str) -> Iterable[Any]:
+def _parent_runs(client: MlflowClient, experiment_id: str) -> Iterable[Any]:
     token = None
     while True:
         page = client.search_runs(
@@ -261,7 +265,7 @@ def _parent_runs(client: Any, experiment_id: str) -> Iterable[Any]:
             return
 
 
-def _row(run: Any, experiment: str) -> dict[str, Any] | None:
+def _row(run: Run, experiment: str) -> dict[str, Any] | None:
     """The row of a search's parent run; None for runs that are not searches."""
     tags, params, metrics = run.data.tags, run.data.params, run.data.metrics
     if "autoprec.agent" not in tags or tags.get("autoprec.kind", "search") != "search":

@@ -10,7 +10,13 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+    from autoprec.agents.result import SearchResult
+    from autoprec.evaluate import Metrics
 
 #: The colour of each precision in the figures.
 COLOURS = {
@@ -30,7 +36,9 @@ def mark_fp32(ax: Any) -> None:
     ax.set_ylabel("loss delta (relative to fp32)")
 
 
-def pareto_figure(result: Any, amp: Any, tolerance: float, title: str) -> Any:
+def pareto_figure(
+    result: SearchResult, amp: Metrics | None, tolerance: float, title: str
+) -> Figure:
     """Every real evaluation's speedup and loss delta, the Pareto front, the best policy, and
     the fp32 and AMP references under the accuracy tolerance's line."""
     from matplotlib.figure import Figure

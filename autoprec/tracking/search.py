@@ -40,6 +40,9 @@ from autoprec.tracking.client import CONNECT_LIMITS, STATUSES, GuardedClient
 from autoprec.tracking.plots import pareto_figure, precision_map, save_png
 
 if TYPE_CHECKING:
+    from types import TracebackType
+
+    from autoprec.agents.result import SearchResult, Trial
     from autoprec.evaluate import Metrics
     from autoprec.evaluate.reward import RewardConfig
 
@@ -149,7 +152,12 @@ class SearchTracker:
         self.start()
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         if exc_type is None:
             self.close("FINISHED")
         else:
@@ -182,7 +190,7 @@ class SearchTracker:
         self._ended = True
 
     # -- the callback --
-    def on_trial(self, trial: Any, result: Any) -> None:
+    def on_trial(self, trial: Trial, result: SearchResult) -> None:
         """Log a real trial as a nested run and the parent's progress (``SearchCallback``)."""
         if not self.active or not trial.real or trial.number in self.trial_runs:
             return
@@ -222,10 +230,10 @@ class SearchTracker:
     # -- the end --
     def finish(
         self,
-        result: Any,
+        result: SearchResult,
         best_policy_path: str | os.PathLike[str] | None = None,
-        amp_metrics: Any = None,
-        fp32_metrics: Any = None,
+        amp_metrics: Metrics | None = None,
+        fp32_metrics: Metrics | None = None,
         status: str = "FINISHED",
     ) -> None:
         """Log the final metrics and artifacts on the parent run and end it with ``status``.
@@ -263,9 +271,9 @@ class SearchTracker:
     def _artifacts(
         self,
         folder: Path,
-        result: Any,
+        result: SearchResult,
         best_policy_path: str | os.PathLike[str] | None,
-        amp: Any,
+        amp: Metrics | None,
     ) -> list[Path]:
         """The parent's artifacts, written into ``folder``."""
         from autoprec.cache import write_csv
@@ -313,7 +321,9 @@ class SearchTracker:
         params.update(self.extra_params)
         return params
 
-    def _final_metrics(self, result: Any, amp: Any, fp32: Any) -> dict[str, Any]:
+    def _final_metrics(
+        self, result: SearchResult, amp: Metrics | None, fp32: Metrics | None
+    ) -> dict[str, Any]:
         reals = result.real_trials
         out: dict[str, Any] = {
             "evaluations": len(reals),
@@ -334,7 +344,7 @@ class SearchTracker:
             out.update(_prefixed("amp_", amp, _AMP_METRICS))
         return out
 
-    def _pareto_rows(self, result: Any) -> list[dict[str, Any]]:
+    def _pareto_rows(self, result: SearchResult) -> list[dict[str, Any]]:
         rows = []
         for trial in result.pareto:
             m = trial.metrics
@@ -352,7 +362,7 @@ class SearchTracker:
             )
         return rows
 
-    def _title(self, result: Any) -> str:
+    def _title(self, result: SearchResult) -> str:
         return (
             f"{self.model} on {self.target or result.target}: {self.agent or result.agent}, "
             f"{len(result.real_trials)} evaluations"

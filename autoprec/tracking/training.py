@@ -18,9 +18,12 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autoprec.tracking.client import CALL_LIMITS, CONNECT_LIMITS, GuardedClient
+
+if TYPE_CHECKING:
+    from autoprec.training.run import TrainResult
 
 FLUSH_METRICS = 500  # buffered metric values that trigger a write to MLflow
 FLUSH_SECONDS = 15.0  # ... or the time since the last write
@@ -99,7 +102,7 @@ class TrainTracker(RunSettings):
             with self._guard("cannot log metrics"):
                 self._flush()
 
-    def finish(self, result: Any) -> None:
+    def finish(self, result: TrainResult) -> None:
         """Log the summary of ``result`` (a ``TrainResult``) and end the run as FINISHED."""
         if not self._running():
             return
