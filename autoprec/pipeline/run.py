@@ -292,6 +292,7 @@ class _Run:
     def _start_tracking(self) -> None:
         """Open the MLflow parent run (a failure turns tracking off with one line)."""
         from autoprec.tracking import SearchTracker
+        from autoprec.training.recipe import to_provenance
 
         begin = time.perf_counter()
         c = self.c
@@ -316,6 +317,7 @@ class _Run:
                 "num_classes": c.num_classes,
                 "study_name": self._search_name(),
                 "resume": c.resume,
+                **to_provenance(c.recipe, default_too=True),  # recipe_optimizer, recipe_lr, ...
             },
         )
         if self.tracker.start():

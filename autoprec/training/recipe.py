@@ -207,11 +207,13 @@ def fold_aliases(recipe: TrainingRecipe, **aliases: Any) -> TrainingRecipe:
 PROVENANCE_PREFIX = "recipe_"
 
 
-def to_provenance(recipe: TrainingRecipe) -> dict[str, str | int | float]:
+def to_provenance(
+    recipe: TrainingRecipe, *, default_too: bool = False
+) -> dict[str, str | int | float]:
     """The recipe as provenance entries (flat: provenance values are strings and numbers);
-    none for the default recipe, so that a policy searched with it is written as before
-    recipes existed (no entries: the default recipe)."""
-    if recipe == DEFAULT_RECIPE:
+    none for the default recipe unless ``default_too`` (MLflow params), so that a policy
+    searched with it is written as before recipes existed (no entries: the default recipe)."""
+    if recipe == DEFAULT_RECIPE and not default_too:
         return {}
     return {PROVENANCE_PREFIX + name: value for name, value in recipe.to_dict().items()}
 

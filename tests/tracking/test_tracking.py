@@ -58,6 +58,7 @@ def test_search_logs_a_parent_run_and_a_nested_run_per_evaluation(tmp_path, caps
     assert params["target"] == "h100-sxm" and params["budget"] == "3"
     assert {"seed", "fidelity", "dataset", "w_speedup", "w_memory", "w_accuracy"} <= set(params)
     assert {"accuracy_tolerance", "autoprec_version", "torch_version"} <= set(params)
+    assert (params["recipe_optimizer"], params["recipe_lr"]) == ("sgd", "0.05")  # the recipe
     tags = parent.data.tags
     assert (tags["autoprec.agent"], tags["autoprec.target"]) == ("random", "h100-sxm")
     assert tags["autoprec.model"] == "tinycnn"
