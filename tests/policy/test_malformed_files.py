@@ -396,7 +396,8 @@ CONFIG_CASES = [
     (
         "float_1e400",
         "model: tinycnn\naccuracy_tolerance: 1" + "0" * 400 + "\n",
-        r", line 2: accuracy_tolerance: an integer of about 401 digits is not a valid float",
+        r", line 2: accuracy_tolerance must be a number >= 0, e\.g\. 0\.01; got an integer of "
+        r"about 401 digits \(int\); it is beyond the largest float",
     ),
     (
         "long_value",
