@@ -230,6 +230,7 @@ def test_no_experiment_imports_the_cli():
     assert not offences, "experiments call the library, not the CLI: " + ", ".join(offences)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("agent", ["random", "tpe"])
 def test_a_light_search_does_not_import_the_rl_stack(agent, tmp_path):
     """``autoprec search --agent random`` (or ``tpe``) imports neither gymnasium nor

@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+pytestmark = pytest.mark.slow  # end-to-end runs (docs/architecture.md: the fast command)
+
 ROOT = Path(__file__).resolve().parent.parent
 EXPERIMENTS = ROOT / "experiments"
 CONFIGS = sorted(EXPERIMENTS.glob("search-*.yaml"))

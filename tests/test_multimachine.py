@@ -28,7 +28,7 @@ from autoprec.policy.io import load_policy
 from autoprec.tracking import SearchTracker
 from autoprec.tracking.compare import compare_searches
 
-pytestmark = pytest.mark.services
+pytestmark = [pytest.mark.services, pytest.mark.slow]
 
 CLI = [sys.executable, "-c", "import sys; from autoprec.cli import main; sys.exit(main())"]
 FAST = ["--model", "tinycnn", "--steps", "4", "--train-batch-size", "32"]

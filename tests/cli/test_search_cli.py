@@ -120,6 +120,7 @@ def _tpe_search(storage: str, study: str) -> list[str]:
     ]
 
 
+@pytest.mark.slow
 def test_sigterm_exports_then_resume_finishes_the_budget(tmp_path):
     storage = f"sqlite:///{tmp_path / 'study.db'}"
     out = tmp_path / "best.yaml"
@@ -151,6 +152,7 @@ def test_sigterm_exports_then_resume_finishes_the_budget(tmp_path):
     assert Path(out).exists()
 
 
+@pytest.mark.slow
 def test_two_workers_share_one_study(tmp_path):
     storage = f"sqlite:///{tmp_path / 'shared.db'}"
     cmd = _tpe_search(storage, "shared")
@@ -190,6 +192,7 @@ def test_search_reports_the_best_hand_written_fp8_rule(tmp_path, capsys):
     assert "better than the best of" in text and "not better than" not in text
 
 
+@pytest.mark.slow
 def test_workers_evaluate_side_by_side_and_the_search_ends_as_usual(tmp_path, capsys):
     out = tmp_path / "best.yaml"
     args = ["search", *FAST, "--budget", "3", "--workers", "2", "--out", str(out), "--no-mlflow"]

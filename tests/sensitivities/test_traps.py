@@ -36,6 +36,8 @@ from autoprec.policy.io import load_policy
 from autoprec.training.run import TrainDivergedError
 from autoprec.verify import VerifyConfig, run_arm
 
+pytestmark = pytest.mark.slow  # end-to-end runs (docs/architecture.md: the fast command)
+
 TRAIN_STEPS = 150
 # From scratch (seeds 0-2), the unsafe arms ended 0.23 to 0.40 above fp32's loss after 120
 # steps and 0.30 to 0.39 after 200 (the overflow trap's: NaN), the safe ones within 0.03.

@@ -327,6 +327,7 @@ def test_grad_accum_counts_optimizer_steps_and_logs_on_each():
 
 
 # --- DDP ----------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_torchrun_two_gloo_processes(policy_file, tmp_path):
     ckpt_dir = tmp_path / "ckpt"
     cmd = [

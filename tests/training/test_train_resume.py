@@ -152,6 +152,7 @@ def test_stop_at_boundary_takes_the_first_signal_and_raises_on_the_second():
 
 
 # --- SIGTERM through the command line -----------------------------------------------------------
+@pytest.mark.slow
 def test_sigterm_ends_the_run_killed_with_a_checkpoint_and_the_same_command_resumes(
     tmp_path, capsys
 ):
