@@ -12,7 +12,6 @@ import contextlib
 import logging
 import warnings
 from collections.abc import Iterator
-from typing import Any
 
 import click
 
@@ -82,7 +81,7 @@ def _one_line_warnings() -> Iterator[None]:
     """Show each warning as one line on stderr (not Python's two, with a source line)."""
     from autoprec.cache import CacheNote
 
-    def show(message: Any, category: type[Warning], *_: Any, **__: Any) -> None:
+    def show(message: Warning | str, category: type[Warning], *_: object, **__: object) -> None:
         kind = "note" if issubclass(category, CacheNote) else "warning"
         text = " ".join(str(message).split())
         click.echo(f"autoprec: {kind}: {text}", err=True)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
@@ -19,6 +19,10 @@ from autoprec.evaluate.workload import (
 )
 from autoprec.pipeline.checks import check_writable
 from autoprec.pipeline.config import DEFAULTS
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autoprec.evaluate import Evaluator
+    from autoprec.hardware import DeviceSpec
 
 __all__ = [
     "SMALL_IMAGE",
@@ -149,7 +153,9 @@ def _apply(options: list[Callable[[F], F]], command: F) -> F:
     return command
 
 
-def build_evaluator(o: dict[str, Any], device: Any, fidelity: str = "short") -> Any:
+def build_evaluator(
+    o: dict[str, Any], device: DeviceSpec | str, fidelity: str = "short"
+) -> Evaluator:
     """Model, data and evaluator from the shared options of ``search`` and ``migrate``
     (:func:`autoprec.evaluate.workload.build_evaluator`); the dataset and the costing batch
     chosen for them are written back into ``o`` for what is printed and logged."""

@@ -9,6 +9,7 @@ Example::
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -124,7 +125,7 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
     console.print(table)
 
 
-def _cell(value: Any, fmt: Any) -> str:
+def _cell(value: object, fmt: Callable[[object], str]) -> str:
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return "-"
     return fmt(value)

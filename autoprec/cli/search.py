@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -37,6 +37,10 @@ from autoprec.pipeline.config import (
     SearchSetupError,
 )
 from autoprec.pipeline.evaluations import AUTO_WORKERS, MIN_REFERENCE_S
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autoprec.agents.base import SearchCallback
+    from autoprec.verify import VerifyConfig
 
 __all__ = ["AGENT_NAMES", "DEFAULT_STORAGE", "SearchExportError", "SearchSetupError", "search"]
 
@@ -206,14 +210,14 @@ class ConsoleCallbacks(SearchCallbacks):
     @contextlib.contextmanager
     def search_progress(
         self, budget: int, evaluation_s: float | None, at_once: int
-    ) -> Iterator[list[Any]]:
+    ) -> Iterator[list[SearchCallback]]:
         with Progress(self.console, budget, lambda result: None, evaluation_s, at_once) as bar:
             yield [bar]
 
     def interruptible(self) -> contextlib.AbstractContextManager[None]:
         return terminate_as_interrupt()
 
-    def verify(self, policy_path: Path, config: SearchConfig, verify: Any) -> int:
+    def verify(self, policy_path: Path, config: SearchConfig, verify: VerifyConfig) -> int:
         """``autoprec verify``'s run, table and curves (:func:`autoprec.cli.verify
         .run_verification`); an interrupted one says which runs finished."""
         from autoprec.cli.verify import VerifyInterrupted, run_verification

@@ -16,13 +16,19 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from rich.console import Console
+    from rich.progress import Task
+
+    from autoprec.agents.result import SearchResult, Trial
 
 #: Without a terminal, a line at least this often (seconds) while a phase or evaluation runs.
 HEARTBEAT_S = 30.0
 
 
-def console() -> Any:
+def console() -> Console:
     """The console the search prints to (stderr; stdout stays free for data)."""
     from rich.console import Console
 
@@ -40,7 +46,9 @@ def duration(seconds: float) -> str:
 
 
 @contextlib.contextmanager
-def heartbeat(console: Any, line: Callable[[], str], every: float | None = None) -> Iterator[None]:
+def heartbeat(
+    console: Console, line: Callable[[], str], every: float | None = None
+) -> Iterator[None]:
     """While the block runs, print ``line()`` on ``console`` every ``every`` seconds (default
     :data:`HEARTBEAT_S`) from a background thread; nothing for a block shorter than that."""
     from autoprec._periodic import every as periodically
@@ -53,7 +61,7 @@ def heartbeat(console: Any, line: Callable[[], str], every: float | None = None)
 
 
 @contextlib.contextmanager
-def working(console: Any, what: str) -> Iterator[None]:
+def working(console: Console, what: str) -> Iterator[None]:
     """A phase that draws no progress of its own: rich's spinner on a terminal, else a line
     ``<what>: still working (N s)`` every :data:`HEARTBEAT_S` seconds."""
     if console.is_terminal:
@@ -82,9 +90,9 @@ class Progress:
 
     def __init__(
         self,
-        console: Any,
+        console: Console,
         budget: int,
-        on_result: Callable[[Any], None],
+        on_result: Callable[[SearchResult], None],
         evaluation_s: float | None = None,
         at_once: int = 1,
     ) -> None:
@@ -111,7 +119,7 @@ class Progress:
             self._beat.__enter__()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self._live is not None:
             self._live.__exit__(*exc)
         elif self._beat is not None:
@@ -141,7 +149,7 @@ class Progress:
             f"{duration(now - self.last)} (search {duration(now - self.start)}{rest})"
         )
 
-    def on_trial(self, trial: Any, result: Any) -> None:
+    def on_trial(self, trial: Trial, result: SearchResult) -> None:
         self.on_result(result)
         if not trial.real:
             self.surrogate += 1
@@ -164,7 +172,7 @@ class Progress:
             )
 
 
-def _bar(console: Any, owner: Progress) -> Any:
+def _bar(console: Console, owner: Progress) -> Any:
     """Rich's live bar of ``owner``: evaluations, elapsed, ``owner``'s time left, best."""
     from rich.progress import (
         BarColumn,
@@ -177,7 +185,7 @@ def _bar(console: Any, owner: Progress) -> Any:
     from rich.text import Text
 
     class TimeLeft(ProgressColumn):
-        def render(self, task: Any) -> Text:
+        def render(self, task: Task) -> Text:
             left = owner.time_left(time.perf_counter())
             done = task.completed >= owner.budget
             return Text("" if left is None or done else f"about {duration(left)} left")
@@ -194,7 +202,7 @@ def _bar(console: Any, owner: Progress) -> Any:
     )
 
 
-def _best(result: Any, surrogate: int) -> str:
+def _best(result: SearchResult, surrogate: int) -> str:
     """``best reward 0.912 (speedup 1.52x, loss delta +0.0012) · surrogate episodes 3``."""
     text = f"surrogate episodes {surrogate}"
     best = result.best

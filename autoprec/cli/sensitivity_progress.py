@@ -12,7 +12,12 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from rich.console import Console
+
+    from autoprec.sensitivities.budget import SensitivityPlan
 
 #: Without a terminal, a progress line on stderr at most this often (seconds).
 PROGRESS_EVERY_S = 5.0
@@ -21,7 +26,7 @@ PROGRESS_EVERY_S = 5.0
 class _Lines:
     """Plain progress lines on a console that is not a terminal."""
 
-    def __init__(self, console: Any) -> None:
+    def __init__(self, console: Console) -> None:
         self.console = console
         self.stage = ""
         self.start = self.last = time.perf_counter()
@@ -48,8 +53,8 @@ class _Lines:
 
 @contextlib.contextmanager
 def sensitivity_progress(
-    console: Any, what: str
-) -> Iterator[tuple[Callable[[str, int, int], None], Callable[[Any], None]]]:
+    console: Console, what: str
+) -> Iterator[tuple[Callable[[str, int, int], None], Callable[[SensitivityPlan], None]]]:
     """``(progress, on_plan)`` for one sensitivity table, drawn on ``console`` (stderr).
 
     Args:
@@ -64,7 +69,7 @@ def sensitivity_progress(
         TimeRemainingColumn,
     )
 
-    def on_plan(plan: Any) -> None:
+    def on_plan(plan: SensitivityPlan) -> None:
         console.print(f"{what}: {plan.describe()}", highlight=False, soft_wrap=True)
 
     if not console.is_terminal:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -29,6 +29,14 @@ from autoprec.cli.mlflow_options import experiment_option, no_mlflow_option, tra
 from autoprec.cli.recipe_options import recipe_from, recipe_options
 from autoprec.defaults import DEFAULT_DATASET, LANGUAGE_MODEL_DATASET
 from autoprec.policy.fields import COMPILED, TARGET_MODES
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autoprec.data import DataBundle
+    from autoprec.models import ModelSpec
+    from autoprec.policy import PrecisionPolicy
+    from autoprec.tracking import TrainTracker
+    from autoprec.training.recipe import TrainingRecipe
+    from autoprec.training.run import TrainResult
 
 
 @click.command()
@@ -86,7 +94,7 @@ def train(**o: Any) -> int:
         return _run(o, spec, data, policy, recipe)
 
 
-def _prepare(o: dict[str, Any]) -> tuple[Any, Any, Any]:
+def _prepare(o: dict[str, Any]) -> tuple[ModelSpec, DataBundle, PrecisionPolicy]:
     """The checks that come first, then the policy, the model and the data; the first line."""
     import torch
 
@@ -117,7 +125,13 @@ def _prepare(o: dict[str, Any]) -> tuple[Any, Any, Any]:
     return spec, data, policy
 
 
-def _tracker(o: dict[str, Any], spec: Any, data: Any, policy: Any, recipe: Any) -> Any:
+def _tracker(
+    o: dict[str, Any],
+    spec: ModelSpec,
+    data: DataBundle,
+    policy: PrecisionPolicy,
+    recipe: TrainingRecipe,
+) -> TrainTracker:
     """The MLflow run of the training (on rank 0, unless ``--no-mlflow``), its settings as
     params (the recipe's fields among them)."""
     import torch
@@ -158,7 +172,13 @@ def _tracker(o: dict[str, Any], spec: Any, data: Any, policy: Any, recipe: Any) 
     )
 
 
-def _run(o: dict[str, Any], spec: Any, data: Any, policy: Any, recipe: Any) -> int:
+def _run(
+    o: dict[str, Any],
+    spec: ModelSpec,
+    data: DataBundle,
+    policy: PrecisionPolicy,
+    recipe: TrainingRecipe,
+) -> int:
     """Train with progress, validation lines and tracking; the exit status."""
     from autoprec.cli.interrupt import stop_at_boundary
     from autoprec.cli.search_progress import console
@@ -212,7 +232,7 @@ def _run(o: dict[str, Any], spec: Any, data: Any, policy: Any, recipe: Any) -> i
     return 0
 
 
-def _report(result: Any) -> None:
+def _report(result: TrainResult) -> None:
     """The lines a finished training prints."""
     resumed = f", resumed from step {result.resumed_from}" if result.resumed_from else ""
     last = f"{result.train_loss[-1]:.4f}" if result.train_loss else "-"

@@ -10,11 +10,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
     from autoprec.agents.base import SearchCallback
     from autoprec.pipeline.config import SearchConfig
+    from autoprec.sensitivities.budget import SensitivityPlan
     from autoprec.verify import VerifyConfig
 
 #: A stage's progress: ``(stage, done, total)``.
@@ -39,7 +40,7 @@ class SearchCallbacks:
     @contextlib.contextmanager
     def stage_progress(
         self, what: str
-    ) -> Iterator[tuple[StageProgress | None, Callable[[Any], None] | None]]:
+    ) -> Iterator[tuple[StageProgress | None, Callable[[SensitivityPlan], None] | None]]:
         """``(progress, on_plan)`` for the warm start (``what="warm start"``) and the
         sensitivity table (``"sensitivity"``), as :func:`autoprec.sensitivity` takes them."""
         yield None, None

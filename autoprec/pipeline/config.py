@@ -16,7 +16,7 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autoprec._datafile import DataFileError, parse_yaml, read_text
 from autoprec._text import excerpt
@@ -25,6 +25,9 @@ from autoprec.agents.registry import NAMES as AGENT_NAMES
 from autoprec.defaults import MAX_BATCH_SIZE, MAX_IMAGE_SIZE
 from autoprec.evaluate.reward import DEFAULT_TOLERANCE, DEFAULT_WEIGHTS
 from autoprec.training.recipe import RecipeError, TrainingRecipe
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autoprec._datafile import LineFinder
 
 #: The Optuna storage of tpe and nsga2 when none is named (a file in the working folder).
 DEFAULT_STORAGE = "sqlite:///autoprec-search.db"
@@ -227,7 +230,7 @@ def read_config(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
 
 
 def read_values(
-    doc: Mapping[Any, Any], source: str, line_of: Any = None
+    doc: Mapping[Any, Any], source: str, line_of: LineFinder | None = None
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """``doc``'s values by key (``-`` read as ``_``) with where each was written; see
     :func:`read_config`."""

@@ -11,7 +11,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from contextlib import AbstractContextManager
+
+    from autoprec.agents import Problem
+    from autoprec.evaluate import Evaluator, Metrics
 
 AUTO_WORKERS = 2  # worker processes by default, on a machine of at least that many cores
 MIN_REFERENCE_S = 5.0  # by default, workers only for models whose fp32 reference takes this long
@@ -28,7 +34,7 @@ def chosen_workers(asked: int | None, reference_wall_s: float) -> int:
     return AUTO_WORKERS
 
 
-def start_workers(evaluator: Any, asked: int | None, echo: Callable[[str], None]) -> int:
+def start_workers(evaluator: Evaluator, asked: int | None, echo: Callable[[str], None]) -> int:
     """Start the evaluator's worker processes as ``--workers`` says, saying so in one line;
     returns how many evaluations now run at a time (1 without workers)."""
     workers = chosen_workers(asked, evaluator.reference().wall_time_s)
@@ -44,7 +50,7 @@ def start_workers(evaluator: Any, asked: int | None, echo: Callable[[str], None]
     return 1
 
 
-def prefetch_comparisons(problem: Any) -> None:
+def prefetch_comparisons(problem: Problem) -> None:
     """Let the workers start on AMP and the hand rules now (evaluated when the search ends)."""
     from autoprec.agents.hand_rules import hand_rule_policies
     from autoprec.hardware.defaults import amp_policy
@@ -55,8 +61,8 @@ def prefetch_comparisons(problem: Any) -> None:
 
 
 def comparisons(
-    problem: Any, phase: Callable[[str], Any]
-) -> tuple[Any, list[tuple[str, Any, float]]]:
+    problem: Problem, phase: Callable[[str], AbstractContextManager[None]]
+) -> tuple[Metrics, list[tuple[str, Metrics, float]]]:
     """The real metrics of the target's blanket AMP policy, and ``(name, metrics, reward)`` of
     each hand-written fp8 rule that applies (:mod:`autoprec.agents.hand_rules`), for the
     comparison printed beside the searched policy; each is cached if the agent tried it. They

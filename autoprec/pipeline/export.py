@@ -11,7 +11,16 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch import nn
+
+    from autoprec.agents.result import SearchResult, Trial
+    from autoprec.evaluate import Metrics
+    from autoprec.hardware import DeviceSpec
+    from autoprec.models import ModelSpec
+    from autoprec.policy import PrecisionPolicy
 
 #: Speedups over AMP closer to 1 than this are "the same as AMP": the cost model's
 #: predictions do not separate them, so only the loss delta's noise would.
@@ -46,11 +55,11 @@ class Found:
             best policy in one line.
     """
 
-    result: Any
-    policy: Any
-    amp: Any = None
+    result: SearchResult
+    policy: PrecisionPolicy | None
+    amp: Metrics | None = None
     amp_reward: float | None = None
-    rules: Sequence[tuple[str, Any, float]] = ()
+    rules: Sequence[tuple[str, Metrics, float]] = ()
 
 
 @dataclass
@@ -67,8 +76,8 @@ class Exporter:
     """
 
     line: Callable[[str], None]
-    spec_module: Any
-    device: Any
+    spec_module: ModelSpec | nn.Module
+    device: DeviceSpec
     out: Path
     pareto_dir: Path | None
     policy_saved: bool = False  # whether the best policy's file is written
@@ -148,7 +157,7 @@ class Exporter:
         self.verdicts[name] = verdict
         self.line(verdict)
 
-    def _compare_with_amp(self, best: Any, amp: Any, amp_reward: float) -> str:
+    def _compare_with_amp(self, best: Trial, amp: Metrics, amp_reward: float) -> str:
         """The line that compares the best policy with the target's AMP."""
         m = best.metrics
         low = self.device.preferred.low
@@ -175,7 +184,7 @@ class Exporter:
             f"{amp_reward:.3f} >= best {best.reward:.3f}); the best found is written"
         )
 
-    def _compare_with_rules(self, best: Any, rules: Sequence[tuple[str, Any, float]]) -> str:
+    def _compare_with_rules(self, best: Trial, rules: Sequence[tuple[str, Metrics, float]]) -> str:
         """One line: the best hand-written fp8 rule under the reward, and whether the searched
         policy beats it."""
         from rich.markup import escape
@@ -187,7 +196,7 @@ class Exporter:
             f"({m.speedup:.2f}x, loss delta {m.loss_delta:+.4f}, reward {reward:.3f})"
         )
 
-    def _write_pareto(self, result: Any, folder: Path) -> None:
+    def _write_pareto(self, result: SearchResult, folder: Path) -> None:
         """``pareto_NNN.yaml`` per Pareto point and ``pareto.csv`` listing them."""
         from rich.markup import escape
 

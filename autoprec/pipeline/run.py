@@ -37,7 +37,7 @@ from autoprec.pipeline.report import Comparison, SearchReport
 
 if TYPE_CHECKING:  # pragma: no cover
     from autoprec.agents import Problem
-    from autoprec.agents.result import SearchResult
+    from autoprec.agents.result import SearchResult, Trial
     from autoprec.evaluate import Evaluator, Metrics
     from autoprec.policy import PrecisionPolicy
     from autoprec.verify import VerifyConfig
@@ -122,7 +122,9 @@ class _Run:
                 self.tracker = None
         return self._report(self.latest, None, interrupted=True)
 
-    def _report(self, result: Any, amp: Any, *, interrupted: bool) -> SearchReport:
+    def _report(
+        self, result: SearchResult | None, amp: Metrics | None, *, interrupted: bool
+    ) -> SearchReport:
         exporter = self.exporter
         verdicts = {} if exporter is None else exporter.verdicts
         amp_cmp = hand = None
@@ -285,7 +287,7 @@ class _Run:
         self.phases["search"] = time.perf_counter() - begin
         return result
 
-    def on_trial(self, trial: Any, result: SearchResult) -> None:
+    def on_trial(self, trial: Trial, result: SearchResult) -> None:
         """A search callback: keeps the newest result (what an interrupted search exports)."""
         self.latest = result
 
@@ -328,7 +330,7 @@ class _Run:
         self.phases["tracking"] = time.perf_counter() - begin
 
     def _finish_tracking(
-        self, result: SearchResult, policy_path: Path | None, amp: Any, status: str
+        self, result: SearchResult, policy_path: Path | None, amp: Metrics | None, status: str
     ) -> None:
         """Final metrics and artifacts on the parent run; it ends with ``status``."""
         if self.tracker is None:
@@ -370,7 +372,9 @@ class _Run:
         )
 
     # -- export --
-    def _export(self, result: SearchResult, amp: Any, *, interrupted: bool) -> Path | None:
+    def _export(
+        self, result: SearchResult, amp: Metrics | None, *, interrupted: bool
+    ) -> Path | None:
         """The search's files (:class:`~autoprec.pipeline.export.Exporter`); the best
         policy's path, None when no real evaluation finished."""
         begin = time.perf_counter()
