@@ -12,7 +12,7 @@ import functools
 import hashlib
 import inspect
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -22,6 +22,10 @@ from autoprec.hardware.defaults import amp_policy
 from autoprec.layers import model_fingerprint
 from autoprec.policy import PrecisionPolicy
 from autoprec.precision import Precision
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autoprec.graph.table import LayerTable
+    from autoprec.models import ModelSpec
 
 
 @functools.cache
@@ -67,7 +71,7 @@ class CostEstimator:
     def __init__(
         self,
         device: DeviceSpec,
-        cost_spec: Any,
+        cost_spec: ModelSpec,
         batch_size: int,
         target_mode: str,
         module: nn.Module,
@@ -78,7 +82,7 @@ class CostEstimator:
         self.target_mode = target_mode
         self.model = CostModel(device)
         self._module = module
-        self._table: Any = None
+        self._table: LayerTable | None = None
 
     def identity(self) -> dict[str, Any]:
         """What decides the estimates besides the policy, for cache keys."""
@@ -93,7 +97,7 @@ class CostEstimator:
             "runnability": runnability_identity(),
         }
 
-    def cost_table(self) -> Any:
+    def cost_table(self) -> LayerTable:
         """The layer table of ``cost_spec`` at ``batch_size`` (analysed once, cached on disk)."""
         if self._table is None:
             from autoprec.graph import analyze

@@ -21,7 +21,7 @@ import statistics
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -30,6 +30,10 @@ from autoprec.evaluate.config import REPLICATE_SEED_STRIDE, EvaluatorConfig
 from autoprec.policy import PrecisionPolicy
 from autoprec.runtime import LossScaler, apply_policy
 from autoprec.training.trainer import SCORE_BATCH, Trainer, score_split
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autoprec.data import DataBundle
+    from autoprec.models import ModelSpec
 
 __all__ = ["SCORE_BATCH", "FineTuneRun", "FineTuner"]
 
@@ -63,7 +67,9 @@ class FineTuner:
         measured: run on the local CUDA device and time it (else on the CPU, untimed).
     """
 
-    def __init__(self, spec: Any, data: Any, config: EvaluatorConfig, measured: bool) -> None:
+    def __init__(
+        self, spec: ModelSpec, data: DataBundle, config: EvaluatorConfig, measured: bool
+    ) -> None:
         self.spec = spec
         self.data = data
         self.config = config

@@ -32,12 +32,17 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from autoprec.policy import PrecisionPolicy
 from autoprec.runtime import LossScaler, apply_policy
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autoprec.data import DataBundle
+    from autoprec.models import ModelSpec
+    from autoprec.training.trainer import Batch
 
 __all__ = ["GradientNoise", "gradient_noise"]
 
@@ -63,7 +68,7 @@ class GradientNoise:
 
 
 def _gradients(
-    model: torch.nn.Module, spec: Any, batches: list, scaler: LossScaler | None
+    model: torch.nn.Module, spec: ModelSpec, batches: list[Batch], scaler: LossScaler | None
 ) -> list[list[torch.Tensor]]:
     """The gradient of every parameter on each batch (unscaled), in train mode."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -82,8 +87,8 @@ def _gradients(
 
 
 def gradient_noise(
-    spec: Any,
-    data: Any,
+    spec: ModelSpec,
+    data: DataBundle,
     policy: PrecisionPolicy,
     state: dict[str, torch.Tensor],
     *,

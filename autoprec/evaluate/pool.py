@@ -38,12 +38,17 @@ import time
 import warnings
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from autoprec.evaluate.finetune import FineTuneRun
 from autoprec.kernels.dispatch import expect_long_run
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autoprec.evaluate.finetune import FineTuner
+    from autoprec.evaluate.warm_start import WarmStart
+    from autoprec.policy import PrecisionPolicy
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +93,7 @@ def _start_worker(payload: bytes, threads: int, parent: int, kernel: bool) -> No
     _WORKER.update(warm=warm, tuner=tuner, mode=mode)
 
 
-def _run_in_worker(policy: Any, fidelity: str) -> FineTuneRun:
+def _run_in_worker(policy: PrecisionPolicy, fidelity: str) -> FineTuneRun:
     """One fine-tuning run in a worker, as :meth:`Evaluator._run` would do it (its wall time
     counts from when the worker starts it, not from when it was submitted)."""
     warm, tuner = _WORKER["warm"], _WORKER["tuner"]
@@ -110,7 +115,7 @@ class EvaluationPool:
         ValueError: fewer than 2 workers.
     """
 
-    def __init__(self, warm: Any, tuner: Any, mode: str, workers: int) -> None:
+    def __init__(self, warm: WarmStart, tuner: FineTuner, mode: str, workers: int) -> None:
         if workers < 2:
             raise ValueError(f"a pool needs at least 2 workers, got {workers}")
         warm.state()  # loaded (or trained) here, so that it is pickled with the rest
@@ -146,7 +151,7 @@ class EvaluationPool:
         """Whether a run of the evaluation ``key`` was submitted and not taken yet."""
         return key in self._futures
 
-    def submit(self, key: str, policy: Any, fidelity: str) -> bool:
+    def submit(self, key: str, policy: PrecisionPolicy, fidelity: str) -> bool:
         """Start a run of ``policy`` at ``fidelity`` for the evaluation ``key``. False when the
         pool is closed or broken (the evaluator runs it itself)."""
         if self._executor is None:

@@ -17,7 +17,10 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autoprec.evaluate.metrics import Metrics
 
 #: The reward's default weights (``--w-speedup``, ``--w-memory``, ``--w-accuracy``).
 DEFAULT_WEIGHTS: Mapping[str, float] = MappingProxyType(
@@ -64,7 +67,7 @@ class RewardConfig:
         object.__setattr__(self, "weights", MappingProxyType(merged))
         object.__setattr__(self, "tolerance", tolerance)
 
-    def __call__(self, metrics: Any) -> float:
+    def __call__(self, metrics: Metrics) -> float:
         """The reward of evaluated ``metrics``, always finite.
 
         ``metrics`` is an :class:`~autoprec.evaluate.Metrics` (or anything with ``diverged``,
@@ -96,7 +99,7 @@ class RewardConfig:
 
 
 def reward(
-    metrics: Any,
+    metrics: Metrics,
     weights: Mapping[str, float] | None = None,
     accuracy_tolerance: float = DEFAULT_TOLERANCE,
 ) -> float:

@@ -45,7 +45,7 @@ import numpy as np
 from autoprec.precision import Precision, parse_precision
 
 if TYPE_CHECKING:
-    from autoprec.sensitivities.grade import Sensitivity
+    from autoprec.sensitivities.grade import Sensitivity, SensitivityTable
 
 NONFINITE_LOSS_DELTA = 10.0  # loss delta given to a table entry that is inf or nan
 SHARED_PRIOR_RATIO = 30.0  # prior sd of a[p] / largest tau
@@ -82,7 +82,9 @@ class Surrogate:
         n_fitted: how many pairs the last :meth:`fit` used (0: the prior).
     """
 
-    def __init__(self, table: Any, *, noise_ratio: float = DEFAULT_NOISE_RATIO) -> None:
+    def __init__(
+        self, table: SensitivityTable, *, noise_ratio: float = DEFAULT_NOISE_RATIO
+    ) -> None:
         if not noise_ratio > 0:
             raise ValueError(f"noise_ratio must be > 0, got {noise_ratio!r}")
         self.table = table

@@ -14,7 +14,7 @@ import difflib
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from autoprec._text import excerpt
 from autoprec._values import (  # the checks of one value, which the sections' checks use
@@ -29,6 +29,9 @@ from autoprec._values import (  # the checks of one value, which the sections' c
     yaml_hint,
 )
 from autoprec.precision import PRECISION_NAMES, Precision, parse_precision
+
+if TYPE_CHECKING:  # pragma: no cover
+    import regex
 
 SCHEMA_VERSIONS = (1,)
 PATTERN_PREFIX = "re:"
@@ -258,7 +261,9 @@ def check_document(data: object) -> dict[str, Any]:
     return {k: v for k, v in data.items() if k != "autoprec_policy"}
 
 
-def check_layers(layers: object) -> tuple[dict[str, Precision], tuple[tuple[str, Any], ...]]:
+def check_layers(
+    layers: object,
+) -> tuple[dict[str, Precision], tuple[tuple[str, regex.Pattern[str]], ...]]:
     """The ``layers`` mapping with precisions parsed, and its ``re:`` patterns compiled.
 
     Returns:
@@ -288,7 +293,7 @@ def check_layers(layers: object) -> tuple[dict[str, Precision], tuple[tuple[str,
     return out, tuple(patterns)
 
 
-def _compile(key: str, path: Field) -> Any:
+def _compile(key: str, path: Field) -> regex.Pattern[str]:
     """The ``regex`` pattern of ``re:<body>``; the syntax accepted is Python's ``re``."""
     import regex
 

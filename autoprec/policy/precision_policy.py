@@ -46,6 +46,7 @@ from autoprec.policy.verification import VerificationInfo, check_verification
 from autoprec.precision import Precision
 
 if TYPE_CHECKING:  # pragma: no cover
+    import regex
     from torch import nn
 
     from autoprec._datafile import LineFinder
@@ -408,7 +409,7 @@ def resolve_mode(mode: str, device_type: str) -> str:
     return mode
 
 
-def _fullmatch(key: str, pattern: Any, name: str) -> bool:
+def _fullmatch(key: str, pattern: regex.Pattern[str], name: str) -> bool:
     try:
         return pattern.fullmatch(name, timeout=PATTERN_TIMEOUT_S) is not None
     except TimeoutError:

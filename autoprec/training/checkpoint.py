@@ -13,7 +13,7 @@ import io
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -21,6 +21,9 @@ from torch import Tensor, nn
 
 from autoprec.cache import reason, write_atomic
 from autoprec.training.distributed import is_multiprocess
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autoprec.runtime import LossScaler
 
 CHECKPOINT_NAME = "last.pt"
 CHECKPOINT_VERSION = 1
@@ -51,7 +54,7 @@ def save_checkpoint(
     path: Path,
     module: nn.Module,
     optimizer: torch.optim.Optimizer,
-    scaler: Any,
+    scaler: LossScaler,
     step: int,
     config: dict[str, Any],
     history: list[float],

@@ -5,7 +5,7 @@ a one-line error of its own class."""
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -13,6 +13,10 @@ from autoprec._values import SEED_RANGE
 from autoprec.policy import PolicyMismatchError, PrecisionPolicy, resolve_mode
 from autoprec.policy.fields import COMPILED
 from autoprec.runtime.compiled import NotCompilableError, check_compilable
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autoprec.data import DataBundle
+    from autoprec.models import ModelSpec
 
 __all__ = [
     "PolicyMismatchError",
@@ -49,7 +53,7 @@ def check_settings(
         raise TrainConfigError(f"momentum must be in [0, 1), got {momentum!r}")
 
 
-def check_batch_fits(spec: Any, data: Any, batch_size: int) -> None:
+def check_batch_fits(spec: ModelSpec, data: DataBundle, batch_size: int) -> None:
     """Raise :class:`~autoprec._memory.SizeError` (one line naming the setting) unless a batch
     of ``batch_size`` examples of ``data``, and a training step of ``spec`` on it with the
     activations its backward keeps, fit in the machine's memory."""
@@ -96,7 +100,7 @@ def pick_mode(mode: str, dev: torch.device) -> str:
         raise TrainConfigError(str(err)) from None
 
 
-def check_policy(spec: Any, policy: PrecisionPolicy, dev: torch.device, mode: str) -> None:
+def check_policy(spec: ModelSpec, policy: PrecisionPolicy, dev: torch.device, mode: str) -> None:
     """Raise :class:`PolicyMismatchError` unless ``policy`` fits the model (and device)."""
     target = None
     if mode in ("native", COMPILED):  # emulation runs every precision anywhere

@@ -33,6 +33,8 @@ if TYPE_CHECKING:  # pragma: no cover - torch is imported where training runs
     import torch
     from torch import nn
 
+    from autoprec.training.trainer import Batch
+
 LR_BACKOFF = 4.0  # each retry trains at the previous rate / LR_BACKOFF
 MAX_BACKOFFS = 3  # retries before giving up (0.05 -> 0.00078 at most)
 DIVERGED_FACTOR = 3.0  # a windowed mean loss this many times the first loss: diverged, stop
@@ -70,8 +72,8 @@ class Attempt:
 
 def train_fp32(
     model: nn.Module,
-    loss: Callable[[Any, Any], torch.Tensor],
-    batches: Callable[[], Iterable[Any]],
+    loss: Callable[[Any, torch.Tensor], torch.Tensor],
+    batches: Callable[[], Iterable[Batch]],
     steps: int,
     lr: float,
     seed: int,
@@ -133,8 +135,8 @@ def train_fp32(
 
 def _attempt(
     model: nn.Module,
-    loss: Callable[[Any, Any], torch.Tensor],
-    batches: Iterable[Any],
+    loss: Callable[[Any, torch.Tensor], torch.Tensor],
+    batches: Iterable[Batch],
     steps: int,
     lr: float,
     recipe: TrainingRecipe,
@@ -170,7 +172,7 @@ def _attempt(
 class _Loss:
     """A spec of only a loss, for the trainer's step."""
 
-    loss: Callable[[Any, Any], Any]
+    loss: Callable[[Any, torch.Tensor], torch.Tensor]
 
 
 def backoff_note(what: str, attempts: list[Attempt]) -> str | None:

@@ -95,7 +95,7 @@ class TrainingRecipe:
         return self.warmup_steps == 0 and self.schedule == "constant"
 
     def make_optimizer(
-        self, params: Iterable[Any], lr: float | None = None
+        self, params: Iterable[torch.nn.Parameter], lr: float | None = None
     ) -> torch.optim.Optimizer:
         """The recipe's optimizer over ``params`` at ``lr`` (None: the recipe's ``lr``).
 
@@ -191,7 +191,7 @@ def differs_from_default(recipe: TrainingRecipe, *known: str) -> dict[str, Any] 
     return recipe.to_dict()
 
 
-def fold_aliases(recipe: TrainingRecipe, **aliases: Any) -> TrainingRecipe:
+def fold_aliases(recipe: TrainingRecipe, **aliases: float | None) -> TrainingRecipe:
     """``recipe`` with the alias keywords that were given (not None) as its fields: how a
     config that embeds a recipe keeps its old keywords (``lr=``, ``batch_size=``) working.
 

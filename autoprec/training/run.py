@@ -43,7 +43,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -89,6 +89,13 @@ from autoprec.training.trainer import (
     Trainer,
     gather,
 )
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch.utils.data import Dataset
+
+    from autoprec.data import DataBundle
+    from autoprec.models import ModelSpec
+    from autoprec.runtime import CompiledPolicy, PolicyHandle
 
 #: ``log(step, metrics)``, told each step's and each validation's figures on rank 0.
 LogFn = Callable[[int, dict[str, float]], None]
@@ -194,8 +201,8 @@ class TrainResult:
 
 
 def train(
-    spec: Any,
-    data: Any,
+    spec: ModelSpec,
+    data: DataBundle,
     policy: PrecisionPolicy,
     *,
     steps: int | None = None,
@@ -307,8 +314,8 @@ class _TrainRun:
 
     def __init__(
         self,
-        spec: Any,
-        data: Any,
+        spec: ModelSpec,
+        data: DataBundle,
         policy: PrecisionPolicy,
         recipe: TrainingRecipe,
         grad_accum: int,
@@ -322,7 +329,7 @@ class _TrainRun:
         self.grad_accum, self.seed, self.dev = grad_accum, seed, dev
         self.rank, self.world, self.log = rank, world, log
         self.module: nn.Module = spec.module
-        self.handle: Any = None
+        self.handle: PolicyHandle | CompiledPolicy | None = None
         self.trainer: Trainer | None = None
         self.step, self.history, self.prior_overflows = 0, [], 0
         self.resumed_from: int | None = None
@@ -333,7 +340,9 @@ class _TrainRun:
         self.tried_at: int | None = None  # the last step a write was tried at (every rank)
         self.failed_writes: list[int] = []  # steps whose checkpoint could not be written
 
-    def prepare(self, steps: int | None, epochs: int | None, checkpoint_dir: Any) -> None:
+    def prepare(
+        self, steps: int | None, epochs: int | None, checkpoint_dir: str | os.PathLike[str] | None
+    ) -> None:
         """The data order, the optimizer, the loss scaler and what a checkpoint resumes."""
         recipe, batch_size, world = self.recipe, self.recipe.batch_size, self.world
         self.dataset = self.data.split("train")
@@ -534,7 +543,7 @@ class _TrainRun:
 class _Batches(Sequence[Batch]):
     """The micro-batches of one step, each gathered from ``dataset`` when the trainer asks."""
 
-    def __init__(self, dataset: Any, micro: list[list[int]]) -> None:
+    def __init__(self, dataset: Dataset, micro: list[list[int]]) -> None:
         self.dataset, self.micro = dataset, micro
 
     def __len__(self) -> int:

@@ -33,13 +33,17 @@ import math
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 if TYPE_CHECKING:  # pragma: no cover
+    from torch.utils.data import Dataset
+
+    from autoprec.data import DataBundle
+    from autoprec.models import ModelSpec
     from autoprec.runtime import LossScaler
 
 #: Examples per batch when a split is scored.
@@ -56,6 +60,13 @@ NONFINITE_WEIGHTS = "nonfinite_weights"  # a skipped step left the weights inf/N
 SKIPPED_IN_A_ROW = "skipped_in_a_row"  # the scaler skipped ``skips`` steps in a row
 
 Batch = tuple[Tensor, Tensor]
+
+
+class LossSpec(Protocol):
+    """What a trainer's step reads of its spec: the loss of a model's output (a
+    :class:`~autoprec.models.ModelSpec`, or the warm start's loss alone)."""
+
+    def loss(self, output: Any, target: Tensor) -> Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -122,7 +133,7 @@ class Trainer:
 
     def __init__(
         self,
-        spec: Any,
+        spec: LossSpec,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         scaler: LossScaler,
@@ -212,7 +223,7 @@ class Trainer:
             return True
         return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
 
-    def validate(self, data: Any) -> dict[str, float]:
+    def validate(self, data: DataBundle) -> dict[str, float]:
         """``val_loss`` and ``val_accuracy`` of the module over ``data``'s val split (under
         DDP, with rank 0's BatchNorm statistics, as the checkpoint holds them)."""
         if self.world > 1:
@@ -227,8 +238,8 @@ class Trainer:
 @torch.no_grad()
 def score_split(
     model: nn.Module,
-    spec: Any,
-    data: Any,
+    spec: ModelSpec,
+    data: DataBundle,
     split: str,
     device: torch.device | str | None = None,
     *,
@@ -265,7 +276,7 @@ def score_split(
     return loss_sum / max(count, 1), correct / max(labels, 1)
 
 
-def gather(dataset: Any, idx: list[int]) -> Batch:
+def gather(dataset: Dataset, idx: list[int]) -> Batch:
     """Examples ``idx`` of ``dataset`` as one ``(x, y)`` batch."""
     from torch.utils.data import TensorDataset, default_collate
 

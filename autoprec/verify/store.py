@@ -18,11 +18,14 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from autoprec.cache import cache_dir, read_entry, write_entry
 from autoprec.training.recipe import differs_from_default
 from autoprec.verify.results import RunResult
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autoprec.verify.run import VerifyConfig
 
 __all__ = ["STORE_FOLDER", "load_run", "run_key", "run_path", "store_run"]
 
@@ -38,7 +41,7 @@ def run_key(
     arm: str,
     policy_digest: str,
     seed: int,
-    config: Any,
+    config: VerifyConfig,
     checkpoint: str | os.PathLike[str] | None = None,
 ) -> str:
     """The digest of everything that determines one run of ``arm`` with ``seed``.
