@@ -1,7 +1,9 @@
 """Gymnasium environments of autoprec (see docs/architecture.md).
 
 Importing this package registers ``autoprec/PrecisionSearch-v0`` (once; importing it again
-does nothing), built by name by :func:`~autoprec.envs.factory.make_env`:
+does nothing), built by name by :func:`~autoprec.envs.factory.make_env_by_name` (the keyword
+form of :func:`~autoprec.envs.factory.make_env`, which takes a workload and the evaluator's and
+reward's configs):
 
     >>> import gymnasium
     >>> import autoprec.envs
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import gymnasium
 
-from autoprec.envs.factory import make_env
+from autoprec.envs.factory import make_env, make_env_by_name
 from autoprec.envs.precision_env import PrecisionEnv
 from autoprec.evaluate.reward import reward
 
@@ -24,7 +26,7 @@ def _register() -> None:
         return
     gymnasium.register(
         id=ENV_ID,
-        entry_point="autoprec.envs.factory:make_env",
+        entry_point="autoprec.envs.factory:make_env_by_name",
         # The evaluator's measured step times (on a local GPU) vary from run to run.
         nondeterministic=True,
     )
@@ -32,4 +34,4 @@ def _register() -> None:
 
 _register()
 
-__all__ = ["ENV_ID", "PrecisionEnv", "make_env", "reward"]
+__all__ = ["ENV_ID", "PrecisionEnv", "make_env", "make_env_by_name", "reward"]

@@ -1,9 +1,12 @@
-"""``make_env``: a :class:`~autoprec.envs.PrecisionEnv` by model name, registered as
-``autoprec/PrecisionSearch-v0`` (what ``gymnasium.make`` and the worker processes of
-:func:`autoprec.envs.vec.make_vec` call).
+"""``make_env``: a :class:`~autoprec.envs.PrecisionEnv` of a workload, and
+:func:`make_env_by_name`, its keyword form, registered as ``autoprec/PrecisionSearch-v0`` (what
+``gymnasium.make`` and the worker processes of :func:`autoprec.envs.vec.make_vec` call).
 
-The environment takes its evaluator's pieces; this module builds the model, its data and the
-evaluator from names first, so that every keyword argument is a plain, picklable value.
+The environment takes its evaluator's pieces; :func:`make_env` builds the model, its data and
+the evaluator from a :class:`~autoprec.evaluate.workload.Workload` and an
+:class:`~autoprec.evaluate.EvaluatorConfig` first (:func:`autoprec.evaluate.workload.
+build_evaluator`). :func:`make_env_by_name` is the one place that maps plain, picklable keyword
+arguments onto those configs.
 """
 
 from __future__ import annotations
@@ -13,75 +16,63 @@ from typing import TYPE_CHECKING, Any
 
 from autoprec.defaults import DEFAULT_DATASET
 from autoprec.envs.precision_env import DEFAULT_PRECISIONS, PrecisionEnv, action_set
+from autoprec.evaluate.config import EvaluatorConfig
 from autoprec.evaluate.reward import DEFAULT_TOLERANCE, RewardConfig
+from autoprec.evaluate.workload import Workload, build_evaluator
 
 if TYPE_CHECKING:  # pragma: no cover
+    from pathlib import Path
+
     from autoprec.evaluate import Evaluator
+
+DEFAULT_TARGET = "h100-sxm"
 
 
 def make_env(
-    model: str = "tinycnn",
-    dataset: str = DEFAULT_DATASET,
-    target: str = "h100-sxm",
-    fidelity: str = "short",
-    precisions: Sequence[str] = DEFAULT_PRECISIONS,
-    reward_weights: Mapping[str, float] | None = None,
-    accuracy_tolerance: float = DEFAULT_TOLERANCE,
-    evaluator: Evaluator | None = None,
-    seed: int = 0,
-    steps: int | None = None,
-    image_size: int | None = None,
-    render_mode: str | None = None,
+    workload: Workload | None = None,
+    config: EvaluatorConfig | None = None,
+    reward: RewardConfig | None = None,
     *,
-    warm_start_steps: int | None = None,
+    target: str = DEFAULT_TARGET,
+    precisions: Sequence[str] = DEFAULT_PRECISIONS,
+    evaluator: Evaluator | None = None,
+    render_mode: str | None = None,
     target_speedup: float | None = None,
-    evaluator_kwargs: Mapping[str, Any] | None = None,
+    cache_dir: str | Path | None = None,
 ) -> PrecisionEnv:
-    """The environment of ``model`` fine-tuned on ``dataset``, costed on ``target``.
+    """The environment of ``workload``'s model fine-tuned on its data, costed on ``target``.
 
     Example:
-        >>> import gymnasium, autoprec.envs
-        >>> env = gymnasium.make("autoprec/PrecisionSearch-v0", model="tinycnn")  # doctest: +SKIP
+        >>> from autoprec.evaluate import EvaluatorConfig
+        >>> from autoprec.evaluate.workload import Workload, build_evaluator
+        >>> env = make_env(Workload("tinycnn"), EvaluatorConfig(steps=5))  # doctest: +SKIP
 
     Args:
-        model: a model name for :func:`autoprec.models.load_model`, with the dataset's number
-            of classes (the model's default for a dataset of any).
-        dataset: a dataset name for :func:`autoprec.data.load_dataset_for`.
+        workload: the model, its data (and the data's and evaluator's ``seed``), the
+            fine-tuning image size and the costing shape; None: :func:`named_workload` of
+            ``"tinycnn"`` on the default dataset.
+        config: the evaluator's settings (fidelity, steps, warm start, recipe); None: the
+            defaults. Its seed is the workload's.
+        reward: how metrics are scored (weights, accuracy tolerance); None: the defaults.
         target: a device name from the database (the precisions and costs of the search).
-        fidelity: the evaluator's fidelity (``"short"`` or ``"full"``).
         precisions: the action set, in action order.
-        reward_weights: ``{"speedup", "memory", "accuracy"}`` weights; missing keys keep the
-            defaults.
-        accuracy_tolerance: the ``loss_delta`` above which the tolerance penalty applies.
-        evaluator: an existing :class:`~autoprec.evaluate.Evaluator` to use; then ``model``,
-            ``dataset``, ``target``, ``fidelity``, ``seed``, ``steps``, ``warm_start_steps``,
-            ``image_size`` and ``evaluator_kwargs`` are ignored.
-        seed: the evaluator's seed (warm start, data order); the environment's own randomness
-            is seeded by ``reset(seed=...)``.
-        steps: fine-tuning steps at ``"short"`` fidelity (None: the evaluator's default).
-        image_size: passed to ``load_model``.
+        evaluator: an existing :class:`~autoprec.evaluate.Evaluator` to use; then
+            ``workload``, ``config`` and ``target`` are ignored.
         render_mode: None or ``"ansi"``.
-        warm_start_steps: fp32 warm-start steps (None: the evaluator's default).
         target_speedup: turns on the environment's budget mode; None turns it off.
-        evaluator_kwargs: further keyword arguments for ``Evaluator`` (``batch_size``,
-            ``lr``, ``cache_dir``).
+        cache_dir: the evaluator's (warm starts, evaluations); None: the default.
 
     Raises:
-        ValueError: an unknown precision, an empty or duplicated action set, an unknown reward
-            weight, a negative tolerance, or a layer for which no listed precision runs on the
-            target.
+        ValueError: an unknown precision, an empty or duplicated action set, or a layer for
+            which no listed precision runs on the target.
     """
     from autoprec.hardware.runnability import runnable_precisions
 
-    reward = RewardConfig(reward_weights, accuracy_tolerance)
+    reward = RewardConfig() if reward is None else reward
     actions = action_set(precisions)
     if evaluator is None:
-        kwargs = dict(evaluator_kwargs or {})
-        if warm_start_steps is not None:
-            kwargs["warm_start_steps"] = warm_start_steps
-        evaluator = _build_evaluator(
-            model, dataset, target, fidelity, seed, steps, image_size, kwargs
-        )
+        workload = named_workload("tinycnn") if workload is None else workload
+        evaluator = build_evaluator(workload, target, config, cache_dir=cache_dir)[0]
     device = evaluator.device
     table = evaluator.cost_table()
     if not table.rows:  # refused before the surrogate's warm start and sensitivities
@@ -111,25 +102,69 @@ def make_env(
     )
 
 
-def _build_evaluator(
-    model: str,
-    dataset: str,
-    target: str,
-    fidelity: str,
-    seed: int,
-    steps: int | None,
-    image_size: int | None,
-    evaluator_kwargs: dict[str, Any],
-) -> Evaluator:
-    """The evaluator of ``model`` on ``dataset``, the model sized to the dataset's classes and
-    fine-tuned at ``image_size`` (None: its own), costed at its own shape
-    (:func:`autoprec.evaluate.workload.build_evaluator`)."""
+def named_workload(
+    model: str, dataset: str = DEFAULT_DATASET, image_size: int | None = None, seed: int = 0
+) -> Workload:
+    """The workload of ``model`` on ``dataset`` as the environment builds it by name: the
+    model sized to the dataset's classes (the model's default for a dataset of any),
+    fine-tuned at ``image_size`` (None: its own), costed at its own shape."""
     from autoprec.data import list_datasets
-    from autoprec.evaluate.workload import Workload, build_evaluator
 
     classes = {d["name"]: d["num_classes"] for d in list_datasets()}.get(dataset.strip().lower())
-    workload = Workload(
+    return Workload(
         model, dataset, num_classes=classes, image_size=image_size, small_image=False, seed=seed
     )
-    settings = {"fidelity": fidelity, "steps": steps, **evaluator_kwargs}
-    return build_evaluator(workload, target, **settings)[0]
+
+
+def make_env_by_name(
+    model: str = "tinycnn",
+    dataset: str = DEFAULT_DATASET,
+    target: str = DEFAULT_TARGET,
+    fidelity: str = "short",
+    precisions: Sequence[str] = DEFAULT_PRECISIONS,
+    reward_weights: Mapping[str, float] | None = None,
+    accuracy_tolerance: float = DEFAULT_TOLERANCE,
+    evaluator: Evaluator | None = None,
+    seed: int = 0,
+    steps: int | None = None,
+    image_size: int | None = None,
+    render_mode: str | None = None,
+    *,
+    warm_start_steps: int | None = None,
+    target_speedup: float | None = None,
+    evaluator_kwargs: Mapping[str, Any] | None = None,
+) -> PrecisionEnv:
+    """:func:`make_env` by plain keywords, the registered ``autoprec/PrecisionSearch-v0``:
+    ``model``, ``dataset``, ``image_size`` and ``seed`` make the workload
+    (:func:`named_workload`), ``fidelity``, ``steps``, ``warm_start_steps`` and
+    ``evaluator_kwargs`` (:class:`~autoprec.evaluate.EvaluatorConfig`'s fields such as
+    ``batch_size`` and ``lr``, and ``cache_dir``) the evaluator's config, ``reward_weights``
+    and ``accuracy_tolerance`` the reward; the rest is :func:`make_env`'s.
+
+    Example:
+        >>> import gymnasium, autoprec.envs
+        >>> env = gymnasium.make("autoprec/PrecisionSearch-v0", model="tinycnn")  # doctest: +SKIP
+
+    Raises:
+        ValueError: as :func:`make_env`, and an unknown reward weight or a negative tolerance.
+    """
+    reward = RewardConfig(reward_weights, accuracy_tolerance)
+    workload = config = cache_dir = None
+    if evaluator is None:
+        settings = dict(evaluator_kwargs or {})
+        cache_dir = settings.pop("cache_dir", None)
+        if warm_start_steps is not None:
+            settings["warm_start_steps"] = warm_start_steps
+        workload = named_workload(model, dataset, image_size, seed)
+        config = EvaluatorConfig(fidelity=fidelity, steps=steps, **settings)
+    return make_env(
+        workload,
+        config,
+        reward,
+        target=target,
+        precisions=precisions,
+        evaluator=evaluator,
+        render_mode=render_mode,
+        target_speedup=target_speedup,
+        cache_dir=cache_dir,
+    )

@@ -1,7 +1,7 @@
 """Vectorised :class:`~autoprec.envs.PrecisionEnv` for Stable-Baselines3 (PPO, MaskablePPO).
 
-Each environment is built by name by :func:`~autoprec.envs.factory.make_env` (the registered
-factory), in its worker process.
+Each environment is built by name by :func:`~autoprec.envs.factory.make_env_by_name` (the
+registered factory), in its worker process.
 
 ``SubprocVecEnv`` starts its workers with ``spawn`` (or ``forkserver``): each worker imports
 the script that created it, so a script that calls :func:`make_vec` with ``n_envs > 1`` must
@@ -29,14 +29,14 @@ from typing import Any
 def _make_env(env_kwargs: dict[str, Any], monitor: bool, torch_threads: int | None) -> Any:
     from stable_baselines3.common.monitor import Monitor
 
-    from autoprec.envs.factory import make_env
+    from autoprec.envs.factory import make_env_by_name
 
     if torch_threads is not None:
         import torch
 
         torch.set_num_threads(torch_threads)
 
-    env = make_env(**env_kwargs)
+    env = make_env_by_name(**env_kwargs)
     return Monitor(env) if monitor else env
 
 
@@ -64,8 +64,8 @@ def make_vec(
             in-process env alone.
         env_seed: the environments' own ``seed`` argument (their evaluator's seed: warm
             start and data order), which ``seed`` above would otherwise shadow; None keeps
-            :func:`~autoprec.envs.factory.make_env`'s default.
-        **env_kwargs: keyword arguments of :func:`~autoprec.envs.factory.make_env` (all must
+            :func:`~autoprec.envs.factory.make_env_by_name`'s default.
+        **env_kwargs: keyword arguments of :func:`~autoprec.envs.factory.make_env_by_name` (all must
             be picklable when ``n_envs > 1``; an ``evaluator`` is copied into every worker).
 
     Raises:

@@ -136,7 +136,9 @@ def main() -> None:
         for dataset in args.datasets:
             spec, data, cache = setup(name, dataset, args.cache_root)
             evaluators = [
-                Evaluator(spec, data, target=args.target, seed=s, cache_dir=cache)
+                Evaluator(
+                    spec, data, target=args.target, cache_dir=cache, config=EvaluatorConfig(seed=s)
+                )
                 for s in range(args.seeds)
             ]
             deltas = {p: [e.evaluate(p).loss_delta for e in evaluators] for p in PRECISIONS}
@@ -157,7 +159,13 @@ def main() -> None:
             train = random_policies(choices, args.policies, seed=1)
             test = random_policies(choices, args.policies, seed=2)
             for steps in args.steps:
-                ev = Evaluator(spec, data, target=args.target, steps=steps, cache_dir=cache)
+                ev = Evaluator(
+                    spec,
+                    data,
+                    target=args.target,
+                    cache_dir=cache,
+                    config=EvaluatorConfig(steps=steps),
+                )
                 ev.reference()
                 ev.start_workers(args.workers)  # the real runs below go side by side
                 ev.prefetch([*PRECISIONS, *train, *test])
@@ -174,9 +182,8 @@ def main() -> None:
                     spec,
                     data,
                     target=args.target,
-                    steps=steps,
-                    batch_seed=OTHER_ORDER,
                     cache_dir=cache,
+                    config=EvaluatorConfig(steps=steps, batch_seed=OTHER_ORDER),
                 )
                 other.reference()
                 other.start_workers(args.workers)

@@ -125,7 +125,11 @@ def subset_noise(args: Args) -> tuple[list[list[object]], int]:
         with tempfile.TemporaryDirectory() as folder:
             for order in (0, 1):
                 ev = Evaluator(
-                    spec, data, args.target, cache_dir=f"{folder}/{order}", batch_seed=order
+                    spec,
+                    data,
+                    args.target,
+                    cache_dir=f"{folder}/{order}",
+                    config=EvaluatorConfig(batch_seed=order),
                 )
                 current[:] = [("fp32", order)]
                 ev.reference()

@@ -56,7 +56,7 @@ from autoprec.cache import cache_dir as default_cache_dir
 from autoprec.cache import read_entry, write_entry
 from autoprec.data import load_dataset_for
 from autoprec.defaults import DEFAULT_DATASET
-from autoprec.evaluate import Evaluator
+from autoprec.evaluate import Evaluator, EvaluatorConfig
 from autoprec.evaluate.config import digest
 from autoprec.evaluate.scoring import relative_loss_delta
 from autoprec.models import load_model
@@ -141,7 +141,9 @@ def make_problem(args: Args, cache: Path, seed: int = 0, steps: int | None = Non
     settings = {"seed": seed, "target_mode": args.target_mode}
     if steps is not None:
         settings["steps"] = steps
-    ev = Evaluator(spec, data, target=args.target, cache_dir=cache, **settings)
+    ev = Evaluator(
+        spec, data, target=args.target, cache_dir=cache, config=EvaluatorConfig(**settings)
+    )
     return Problem(ev, precisions=args.precisions)
 
 

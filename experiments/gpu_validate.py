@@ -280,7 +280,7 @@ def hand_rules(bench: Bench, device: Any, cost_spec: Any) -> list[tuple[str, Any
     from autoprec.agents import Problem
     from autoprec.agents.hand_rules import hand_rule_policies
     from autoprec.data import load_dataset_for
-    from autoprec.evaluate import Evaluator
+    from autoprec.evaluate import Evaluator, EvaluatorConfig
 
     spec = bench.build_small()
     evaluator = Evaluator(
@@ -289,7 +289,7 @@ def hand_rules(bench: Bench, device: Any, cost_spec: Any) -> list[tuple[str, Any
         target=device,
         cache_dir=tempfile.mkdtemp(prefix="autoprec-gpu-validate-"),
         cost_spec=cost_spec,
-        cost_batch_size=bench.batch,
+        config=EvaluatorConfig(cost_batch_size=bench.batch),
     )
     problem = Problem(evaluator, precisions=tuple(device.supported_precisions))
     return [(name, problem.to_policy(layers)) for name, layers in hand_rule_policies(problem)]
@@ -405,7 +405,7 @@ def searched_policy(bench: Bench, args: Args, device: Any, cost_spec: Any) -> tu
         return load_policy(path), f"policy file `{shown}`"
     from autoprec.agents import Problem, search
     from autoprec.data import load_dataset_for
-    from autoprec.evaluate import Evaluator
+    from autoprec.evaluate import Evaluator, EvaluatorConfig
 
     spec = bench.build_small()
     data = load_dataset_for(spec, bench.dataset, seed=0)
@@ -414,11 +414,9 @@ def searched_policy(bench: Bench, args: Args, device: Any, cost_spec: Any) -> tu
         spec,
         data,
         target=device,
-        steps=steps,
-        warm_start_steps=warm,
         cache_dir=tempfile.mkdtemp(prefix="autoprec-gpu-validate-"),
         cost_spec=cost_spec,
-        cost_batch_size=bench.batch,
+        config=EvaluatorConfig(steps=steps, warm_start_steps=warm, cost_batch_size=bench.batch),
     )
     problem = Problem(_SurrogateOnly(evaluator), precisions=tuple(device.supported_precisions))
     result = search(problem, budget=args.search_budget, agent="greedy")

@@ -53,7 +53,7 @@ from autoprec.agents import Problem, SearchResult, Trial, search
 from autoprec.cache import cache_dir as default_cache_dir
 from autoprec.data import load_dataset_for
 from autoprec.defaults import DEFAULT_DATASET
-from autoprec.evaluate import Evaluator, RewardConfig
+from autoprec.evaluate import Evaluator, EvaluatorConfig, RewardConfig
 from autoprec.models import load_model
 
 PLOT = DOCS.parent / "ground-truth-regret.png"
@@ -155,9 +155,8 @@ def make_problem(args: Args, cache: Path) -> Problem:
         spec,
         data,
         target=args.target,
-        steps=args.steps,
         cache_dir=cache,
-        cost_batch_size=args.cost_batch_size,
+        config=EvaluatorConfig(steps=args.steps, cost_batch_size=args.cost_batch_size),
     )
     reward = RewardConfig(tolerance=args.accuracy_tolerance)
     return Problem(ev, reward=reward, precisions=args.precisions)

@@ -20,7 +20,7 @@ import tempfile
 from benchlib import provenance, write_section
 
 from autoprec.data import load_dataset_for
-from autoprec.evaluate import Evaluator
+from autoprec.evaluate import Evaluator, EvaluatorConfig
 from autoprec.models import load_model
 
 PRECISIONS = ("tf32", "bf16", "fp16", "fp8")
@@ -56,11 +56,10 @@ def main() -> None:
                     spec,
                     data,
                     target="h100-sxm",
-                    seed=seed,
-                    steps=args.steps,
-                    finetune_lr=lr,
-                    momentum=momentum,
                     cache_dir=cache,
+                    config=EvaluatorConfig(
+                        seed=seed, steps=args.steps, finetune_lr=lr, momentum=momentum
+                    ),
                 )
                 for prec in PRECISIONS:
                     deltas[prec].append(ev.evaluate(prec).loss_delta)

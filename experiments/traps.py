@@ -44,7 +44,7 @@ from benchlib import DOCS, invocation, md_table, parse_args, provenance, write_s
 
 from autoprec.agents.export import layer_policy
 from autoprec.data import load_dataset_for
-from autoprec.evaluate import Evaluator
+from autoprec.evaluate import Evaluator, EvaluatorConfig
 from autoprec.evaluate.scoring import relative_loss_delta
 from autoprec.models import load_model
 from autoprec.pipeline import SearchConfig
@@ -99,7 +99,7 @@ def short_deltas(trap: Trap, args: Args, seed: int) -> dict[str, tuple[float, bo
     """``{arm: (loss delta, diverged)}`` at `short` fidelity, as the search evaluates."""
     spec = load_model(trap.model)
     data = load_dataset_for(spec, "teacher", seed=seed)
-    ev = Evaluator(spec, data, target=args.target, seed=seed)
+    ev = Evaluator(spec, data, target=args.target, config=EvaluatorConfig(seed=seed))
     out = {}
     for label, assignment in arms(trap, args.target).items():
         m = ev.evaluate(layer_policy(assignment))

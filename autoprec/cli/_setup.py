@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 
 from autoprec.defaults import DEFAULT_DATASET, LANGUAGE_MODEL_DATASET
+from autoprec.evaluate.config import EvaluatorConfig
 from autoprec.evaluate.workload import (
     DEFAULT_TRAIN_BATCH,
     FALLBACK_TARGET,
@@ -166,9 +167,9 @@ def build_evaluator(
         train_shape=o.get("train_shape"), train_image_size=o.get("train_image_size"),
         cost_batch_size=o.get("train_batch_size"), seed=o["seed"],
     ).resolved()  # fmt: skip
-    evaluator, workload = build(
-        workload, device, fidelity=fidelity, steps=o["steps"],
-        target_mode=o.get("target_mode") or "native",
-    )  # fmt: skip
+    settings = EvaluatorConfig(
+        fidelity=fidelity, steps=o["steps"], target_mode=o.get("target_mode") or "native"
+    )
+    evaluator, workload = build(workload, device, settings)
     o["dataset"], o["train_batch_size"] = workload.dataset, workload.cost_batch_size
     return evaluator

@@ -31,7 +31,6 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -72,13 +71,9 @@ class Evaluator:
         spec: a ModelSpec (``module``, ``loss``, ``logits``, ``name``); its module is not changed.
         data: a DataBundle (``loader``, ``fixed_batches``, ``key``).
         target: a device name or DeviceSpec; None detects the local one.
-        fidelity: default fidelity (see :class:`~autoprec.evaluate.config.EvaluatorConfig`);
-            None: the config's (``"short"``).
-        config: every setting that decides a result; None: the defaults. The keyword
-            ``settings`` (``steps``, ``replicates``, ``recipe``, ``finetune_lr``,
-            ``momentum``, ``warm_start_steps``, ``seed``, ``batch_seed``, ``cost_batch_size``,
-            ``target_mode``: the fields of :class:`EvaluatorConfig`, and ``batch_size`` and
-            ``lr``, its aliases of the recipe's) replace the config's.
+        config: every setting that decides a result, the default fidelity and the training
+            recipe among them (:class:`~autoprec.evaluate.config.EvaluatorConfig`, the only
+            way to set them); None: the defaults.
         cache_dir: where ``warmstart/*.pt`` and ``evaluations.sqlite`` live; None means
             ``$AUTOPREC_CACHE_DIR`` or ``~/.cache/autoprec``.
         cost_spec: the model as it will be trained in production, for the cost model's step
@@ -132,20 +127,15 @@ class Evaluator:
         spec: Any,
         data: Any,
         target: str | DeviceSpec | None = None,
-        fidelity: str | None = None,
         *,
         config: EvaluatorConfig | None = None,
         cache_dir: str | Path | None = None,
         cost_spec: Any = None,
-        **settings: Any,
     ) -> None:
         self.spec = spec
         self.data = data
         self.device = detect() if target is None else get_device(target)
-        if fidelity is not None:
-            settings["fidelity"] = fidelity
-        base = EvaluatorConfig() if config is None else config
-        self.config = dataclasses.replace(base, **settings) if settings else base
+        self.config = EvaluatorConfig() if config is None else config
         # a fine-tuning batch beyond the machine's memory is one line now, not in a worker
         spec.check_batch(self.config.recipe.batch_size, activations=True)
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()

@@ -11,7 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from autoprec.evaluate.config import EvaluatorConfig
+
 if TYPE_CHECKING:  # pragma: no cover
+    from pathlib import Path
+
     from autoprec.evaluate.evaluator import Evaluator
     from autoprec.hardware import DeviceSpec
     from autoprec.models import ModelSpec
@@ -116,14 +120,19 @@ def production_spec(
 
 
 def build_evaluator(
-    workload: Workload, device: DeviceSpec | str, **settings: Any
+    workload: Workload,
+    device: DeviceSpec | str,
+    config: EvaluatorConfig | None = None,
+    *,
+    cache_dir: str | Path | None = None,
 ) -> tuple[Evaluator, Workload]:
     """Model, data and evaluator of ``workload``, and the workload with the dataset's name
     filled in (for what is printed and logged).
 
     Fine-tuning at ``image_size`` (see ``small_image``), costs at ``cost_batch_size`` and
-    ``train_shape`` or ``train_image_size`` (:func:`production_spec`); ``settings``: the
-    evaluator's (:class:`~autoprec.evaluate.EvaluatorConfig`'s fields, ``cache_dir``).
+    ``train_shape`` or ``train_image_size`` (:func:`production_spec`). ``config``: the
+    evaluator's settings (None: the defaults); its seed is the workload's, and its
+    ``cost_batch_size``, when None, the workload's. ``cache_dir``: the evaluator's.
     """
     from autoprec.data import load_dataset_for
     from autoprec.evaluate.evaluator import Evaluator
@@ -154,9 +163,10 @@ def build_evaluator(
         data_kwargs["root"] = workload.data_dir
     data = load_dataset_for(spec, workload.dataset, **data_kwargs)
     workload = replace(workload, dataset=workload.dataset or data.name)
-    if workload.cost_batch_size is not None:
-        settings.setdefault("cost_batch_size", workload.cost_batch_size)
+    config = replace(EvaluatorConfig() if config is None else config, seed=workload.seed)
+    if config.cost_batch_size is None and workload.cost_batch_size is not None:
+        config = replace(config, cost_batch_size=workload.cost_batch_size)
     evaluator = Evaluator(
-        spec, data, target=device, seed=workload.seed, cost_spec=cost_spec, **settings
+        spec, data, target=device, config=config, cache_dir=cache_dir, cost_spec=cost_spec
     )
     return evaluator, workload

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from autoprec.evaluate.config import EvaluatorConfig
 from autoprec.evaluate.workload import Workload, build_evaluator, fallback_note, resolve_target
 from autoprec.pipeline.callbacks import SearchCallbacks
 from autoprec.pipeline.config import (
@@ -208,10 +209,10 @@ class _Run:
             cost_batch_size=c.train_batch_size, seed=c.seed,
         ).resolved()  # fmt: skip
         with self._phase("model and data"):
-            evaluator, workload = build_evaluator(
-                workload, device, fidelity=c.fidelity, steps=c.steps,
-                target_mode=c.target_mode, recipe=c.recipe,
-            )  # fmt: skip
+            settings = EvaluatorConfig(
+                fidelity=c.fidelity, steps=c.steps, target_mode=c.target_mode, recipe=c.recipe
+            )
+            evaluator, workload = build_evaluator(workload, device, settings)
         self.c = c = dataclasses.replace(
             c, target=device.name, precisions=shown, dataset=workload.dataset,
             train_batch_size=workload.cost_batch_size,

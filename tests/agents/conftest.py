@@ -13,10 +13,10 @@ TARGET = "a100-40gb-sxm"  # no fp8: checks that agents keep to what the target r
 def make_problem(spec, data):  # noqa: F811 - the imported fixtures
     """``make_problem(target=..., **problem_kwargs)``: a Problem on a fresh small evaluator."""
     from autoprec.agents import Problem
-    from autoprec.evaluate import Evaluator
+    from autoprec.evaluate import Evaluator, EvaluatorConfig
 
     def make(target: str = TARGET, **kwargs):
-        evaluator = Evaluator(spec, data, target, **SMALL)
+        evaluator = Evaluator(spec, data, target, config=EvaluatorConfig(**SMALL))
         return Problem(evaluator, **kwargs)
 
     return make

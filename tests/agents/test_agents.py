@@ -347,13 +347,13 @@ import json, sys, torch
 torch.set_num_threads(1)
 from autoprec.agents import Problem, search
 from autoprec.data import load_dataset_for
-from autoprec.evaluate import Evaluator
+from autoprec.evaluate import Evaluator, EvaluatorConfig
 from autoprec.models import load_model
 storage, seed, budget = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 torch.manual_seed(0)
 spec = load_model("tinycnn", num_classes=10)
 data = load_dataset_for(spec, "digits", seed=0)
-ev = Evaluator(spec, data, "a100-40gb-sxm", steps=5, warm_start_steps=20)
+ev = Evaluator(spec, data, "a100-40gb-sxm", config=EvaluatorConfig(steps=5, warm_start_steps=20))
 r = search(Problem(ev), budget=budget, seed=seed, agent="tpe", storage=storage, study_name="w")
 own = sum(1 for t in r.real_trials if not t.attrs.get("loaded"))
 print(json.dumps({"real": len(r.real_trials), "own": own, "runs": ev.runs}))
@@ -486,12 +486,16 @@ def test_agents_hand_their_proposals_to_the_workers_and_find_what_they_find_alon
     """``ppo`` hands each round's proposals to the evaluator's workers at once, ``random`` its
     draws, ``baseline`` its list (never more than the budget, in the order evaluated); with one
     thread each, as here, the search is the one it is without workers."""
-    from autoprec.evaluate import Evaluator
+    from autoprec.evaluate import Evaluator, EvaluatorConfig
 
     from .conftest import SMALL
 
     def problem(folder: str) -> Problem:
-        return Problem(Evaluator(spec, data, TARGET, cache_dir=tmp_path / folder, **SMALL))
+        return Problem(
+            Evaluator(
+                spec, data, TARGET, cache_dir=tmp_path / folder, config=EvaluatorConfig(**SMALL)
+            )
+        )
 
     options = {"budget": 3, "seed": 0, "agent": agent}
     if agent == "ppo":

@@ -60,11 +60,13 @@ def test_ppo_searches_models_of_any_depth(n_layers):
     """The issue's crash: an odd rollout (5 layers: 65 steps, minibatches of 32) left a last
     minibatch of one sample, whose normalised advantage was NaN, and sampling then failed."""
     from autoprec.data import load_dataset_for
-    from autoprec.evaluate import Evaluator
+    from autoprec.evaluate import Evaluator, EvaluatorConfig
 
     spec = mlp_spec(n_layers)
     data = load_dataset_for(spec, "digits", seed=0)
-    evaluator = Evaluator(spec, data, "a100-40gb-sxm", steps=2, warm_start_steps=5)
+    evaluator = Evaluator(
+        spec, data, "a100-40gb-sxm", config=EvaluatorConfig(steps=2, warm_start_steps=5)
+    )
     problem = Problem(evaluator)
     assert len(problem.layers()) == n_layers
     budget = 2

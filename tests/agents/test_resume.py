@@ -27,9 +27,11 @@ PPO = {"timesteps": 128, "proposals": 4}
 def make(spec, data, cache, fail_at=None):
     """A Problem on a fresh evaluator with its own cache folder; with ``fail_at``, its
     ``fail_at``-th real evaluation raises KeyboardInterrupt before it runs."""
-    from autoprec.evaluate import Evaluator
+    from autoprec.evaluate import Evaluator, EvaluatorConfig
 
-    evaluator = Evaluator(copy.deepcopy(spec), data, TARGET, cache_dir=cache, **SMALL)
+    evaluator = Evaluator(
+        copy.deepcopy(spec), data, TARGET, cache_dir=cache, config=EvaluatorConfig(**SMALL)
+    )
     if fail_at is not None:
         evaluate, calls = evaluator.evaluate, []
 
@@ -141,14 +143,14 @@ import json, os, signal, sys, torch
 torch.set_num_threads(1)
 from autoprec.agents import Problem, search
 from autoprec.data import load_dataset_for
-from autoprec.evaluate import Evaluator
+from autoprec.evaluate import Evaluator, EvaluatorConfig
 from autoprec.models import load_model
 storage, cache, budget, kill_at = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 target, small = sys.argv[5], json.loads(sys.argv[6])
 torch.manual_seed(0)
 spec = load_model("tinycnn", num_classes=10)
 data = load_dataset_for(spec, "digits", seed=0)
-ev = Evaluator(spec, data, target, cache_dir=cache, **small)
+ev = Evaluator(spec, data, target, cache_dir=cache, config=EvaluatorConfig(**small))
 evaluate, calls = ev.evaluate, []
 def killing(policy, fidelity=None):
     calls.append(policy)

@@ -11,12 +11,15 @@ import numpy as np
 import pytest
 
 import autoprec.envs
-from autoprec.envs import PrecisionEnv, make_env
+from autoprec.envs import PrecisionEnv, make_env, make_env_by_name
+from autoprec.envs.factory import named_workload
 from autoprec.envs.precision_env import DEFAULT_PRECISIONS, STATIC_FEATURES
-from autoprec.evaluate import Metrics
+from autoprec.evaluate import EvaluatorConfig, Metrics
 from autoprec.evaluate.reward import RewardConfig
 
-FAST = {"model": "tinycnn", "steps": 5, "warm_start_steps": 20}
+FAST = {"model": "tinycnn", "steps": 5, "warm_start_steps": 20}  # make_env_by_name's keywords
+WORKLOAD = named_workload("tinycnn")  # and the same as make_env's configs
+CONFIG = EvaluatorConfig(steps=5, warm_start_steps=20)
 LAYERS = ("conv1", "conv2", "fc1", "fc2")  # tinycnn's tunable layers, in execution order
 
 
@@ -43,13 +46,13 @@ def _masked_episode(env, rng):
 def test_gymnasium_env_checker():
     from gymnasium.utils.env_checker import check_env
 
-    check_env(make_env(target="h100-sxm", **FAST))
+    check_env(make_env(WORKLOAD, CONFIG, target="h100-sxm"))
 
 
 def test_sb3_env_checker():
     from stable_baselines3.common.env_checker import check_env
 
-    check_env(make_env(target="h100-sxm", **FAST), warn=True)
+    check_env(make_env(WORKLOAD, CONFIG, target="h100-sxm"), warn=True)
 
 
 def test_make_after_import_and_masked_random_episode():
@@ -95,7 +98,7 @@ def test_make_after_import_and_masked_random_episode():
 
 
 def test_a100_masks_fp8_and_remaps_to_the_next_wider():
-    env = make_env(target="a100-40gb-sxm", **FAST)
+    env = make_env(WORKLOAD, CONFIG, target="a100-40gb-sxm")
     fp8, fp16 = env.precisions.index("fp8"), env.precisions.index("fp16")
     obs, _ = env.reset(seed=1)
     mask = env.action_masks()
@@ -114,13 +117,13 @@ def test_a100_masks_fp8_and_remaps_to_the_next_wider():
 
 
 def test_masked_episode_on_a100_never_remaps():
-    env = make_env(target="a100-40gb-sxm", **FAST)
+    env = make_env(WORKLOAD, CONFIG, target="a100-40gb-sxm")
     _, reward, info = _masked_episode(env, np.random.default_rng(3))
     assert math.isfinite(reward) and "fp8" not in info["policy"].values()
 
 
 def test_cost_so_far_grows_and_stays_in_bounds():
-    env = make_env(target="h100-sxm", **FAST)
+    env = make_env(WORKLOAD, CONFIG, target="h100-sxm")
     obs, _ = env.reset(seed=0)
     assert obs[-2:].tolist() == [0.0, 0.0]
     costs = []
@@ -131,7 +134,7 @@ def test_cost_so_far_grows_and_stays_in_bounds():
 
 
 def test_reward_formula():
-    env = make_env(target="h100-sxm", accuracy_tolerance=0.05, **FAST)
+    env = make_env(WORKLOAD, CONFIG, RewardConfig(tolerance=0.05), target="h100-sxm")
     quality = {"accuracy": 0.9, "loss": 0.5, "fp32_accuracy": 0.9, "fp32_loss": 0.5}
     deltas = {"accuracy_delta": 0.0, "loss_delta": 0.01, "step_time_s": 1.0, "memory_bytes": 1}
     cost = {"speedup": 2.0, "memory_ratio": 0.5, "speedup_vs_amp": 1.0, "memory_ratio_vs_amp": 1}
@@ -150,14 +153,14 @@ def test_reward_formula():
 
 
 def test_budget_mode_lowers_only_when_needed():
-    met = make_env(target="h100-sxm", target_speedup=1e-3, **FAST)
+    met = make_env(WORKLOAD, CONFIG, target="h100-sxm", target_speedup=1e-3)
     met.reset(seed=0)
     for _ in LAYERS:
         *_, info = met.step(0)
     assert info["budget_lowered"] == [] and info["budget_met"]
     assert info["policy"] == dict.fromkeys(LAYERS, "fp32")
 
-    unmet = make_env(target="h100-sxm", target_speedup=100.0, **FAST)
+    unmet = make_env(WORKLOAD, CONFIG, target="h100-sxm", target_speedup=100.0)
     unmet.reset(seed=0)
     for _ in LAYERS:
         *_, info = unmet.step(0)
@@ -167,12 +170,12 @@ def test_budget_mode_lowers_only_when_needed():
 
 def test_bad_arguments_raise_value_errors():
     with pytest.raises(ValueError, match="unknown precision"):
-        make_env(precisions=("fp32", "bf8"), **FAST)
+        make_env(WORKLOAD, CONFIG, precisions=("fp32", "bf8"))
     with pytest.raises(ValueError, match="unknown reward weight"):
-        make_env(reward_weights={"speed": 1.0}, **FAST)
+        make_env_by_name(reward_weights={"speed": 1.0}, **FAST)
     with pytest.raises(ValueError, match="none of the precisions"):
-        make_env(target="a100-40gb-sxm", precisions=("fp8",), **FAST)
-    env = make_env(**FAST)
+        make_env(WORKLOAD, CONFIG, target="a100-40gb-sxm", precisions=("fp8",))
+    env = make_env(WORKLOAD, CONFIG)
     env.reset()
     with pytest.raises(ValueError, match="action must be"):
         env.step(len(DEFAULT_PRECISIONS))
@@ -223,13 +226,15 @@ def test_make_by_name_equals_the_constructor_on_the_evaluators_pieces():
     sensitivities and masks play the same episodes (the same observations and rewards)."""
     from autoprec.data import load_dataset_for
     from autoprec.defaults import DEFAULT_DATASET
-    from autoprec.evaluate import Evaluator
+    from autoprec.evaluate import Evaluator, EvaluatorConfig
     from autoprec.hardware.runnability import runnable_precisions
     from autoprec.models import load_model
 
     spec = load_model("tinycnn", num_classes=10)
     data = load_dataset_for(spec, DEFAULT_DATASET, seed=0)
-    evaluator = Evaluator(spec, data, "h100-sxm", steps=5, warm_start_steps=20, seed=0)
+    evaluator = Evaluator(
+        spec, data, "h100-sxm", config=EvaluatorConfig(steps=5, warm_start_steps=20, seed=0)
+    )
     table = evaluator.cost_table()
     direct = PrecisionEnv(
         evaluator.evaluate,
@@ -259,8 +264,22 @@ def test_make_by_name_equals_the_constructor_on_the_evaluators_pieces():
         assert info_a["metrics"] == info_b["metrics"]
 
 
+def test_the_keywords_by_name_make_the_same_configs_as_the_typed_factory(tmp_path):
+    """``make_env_by_name`` maps its keywords onto the workload and the evaluator's config:
+    the same evaluator (settings key) as ``make_env`` given those configs; the evaluator's
+    own keywords reach it (batch size, cache folder)."""
+    typed = make_env(WORKLOAD, CONFIG).evaluate.__self__
+    named = make_env_by_name(**FAST).evaluate.__self__
+    assert named.config == typed.config and named.settings_key == typed.settings_key
+    other = make_env_by_name(
+        seed=1, evaluator_kwargs={"batch_size": 16, "cache_dir": tmp_path / "c"}, **FAST
+    ).evaluate.__self__
+    assert other.config == EvaluatorConfig(steps=5, warm_start_steps=20, batch_size=16, seed=1)
+    assert other.cache_dir == tmp_path / "c" and other.data.key != typed.data.key
+
+
 def test_choices_that_leave_a_layer_nothing_raise():
-    env = make_env(**FAST)
+    env = make_env(WORKLOAD, CONFIG)
     with pytest.raises(ValueError, match="layer 'conv1' may take none of the precisions fp32"):
         PrecisionEnv(
             env.evaluate,

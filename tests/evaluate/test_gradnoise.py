@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from autoprec.evaluate import Evaluator
+from autoprec.evaluate import Evaluator, EvaluatorConfig
 from autoprec.evaluate.gradnoise import gradient_noise
 from autoprec.policy import PrecisionPolicy
 
@@ -68,7 +68,12 @@ def test_fp32_has_no_error_and_the_noise_is_the_spread_of_minibatch_gradients():
 
 
 def test_wider_formats_err_less_on_tinycnn(spec, data):
-    ev = Evaluator(spec, data, "h100-sxm", steps=4, warm_start_steps=20, target_mode="emulate")
+    ev = Evaluator(
+        spec,
+        data,
+        "h100-sxm",
+        config=EvaluatorConfig(steps=4, warm_start_steps=20, target_mode="emulate"),
+    )
     state = ev.warm_start_state()
     ratios, reference = {}, None
     for p in ("fp32", "tf32", "bf16", "fp8"):
@@ -82,7 +87,12 @@ def test_wider_formats_err_less_on_tinycnn(spec, data):
 
 
 def test_a_non_finite_gradient_is_infinite(spec, data, monkeypatch):
-    ev = Evaluator(spec, data, "h100-sxm", steps=4, warm_start_steps=20, target_mode="emulate")
+    ev = Evaluator(
+        spec,
+        data,
+        "h100-sxm",
+        config=EvaluatorConfig(steps=4, warm_start_steps=20, target_mode="emulate"),
+    )
     state = dict(ev.warm_start_state())
     name = next(k for k in state if k.endswith("weight"))
     state[name] = state[name] * 1e5  # fp16 overflows on these weights; fp32 does not

@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from autoprec.evaluate import Evaluator
+from autoprec.evaluate import Evaluator, EvaluatorConfig
 from autoprec.pipeline.evaluations import AUTO_WORKERS, MIN_REFERENCE_S, chosen_workers
 
 SMALL = {"steps": 4, "warm_start_steps": 20}
@@ -20,9 +20,13 @@ def _same_results(a, b) -> bool:
 
 
 def test_workers_give_the_results_a_run_here_gives_and_count_as_runs(spec, data, tmp_path):
-    here = Evaluator(spec, data, TARGET, cache_dir=tmp_path / "here", **SMALL)
+    here = Evaluator(
+        spec, data, TARGET, cache_dir=tmp_path / "here", config=EvaluatorConfig(**SMALL)
+    )
     expected = {p: here.evaluate(p) for p in ("bf16", "fp8")}  # one thread, as each worker
-    pooled = Evaluator(spec, data, TARGET, cache_dir=tmp_path / "pooled", **SMALL)
+    pooled = Evaluator(
+        spec, data, TARGET, cache_dir=tmp_path / "pooled", config=EvaluatorConfig(**SMALL)
+    )
     pooled.reference()
     assert pooled.start_workers(2) is None and pooled.worker_threads == 1
     try:
@@ -37,7 +41,7 @@ def test_workers_give_the_results_a_run_here_gives_and_count_as_runs(spec, data,
 
 
 def test_a_worker_that_dies_costs_a_warning_and_the_run_is_done_here(spec, data, tmp_path):
-    ev = Evaluator(spec, data, TARGET, cache_dir=tmp_path / "c", **SMALL)
+    ev = Evaluator(spec, data, TARGET, cache_dir=tmp_path / "c", config=EvaluatorConfig(**SMALL))
     ev.reference()
     assert ev.start_workers(2) is None
     try:
@@ -49,12 +53,14 @@ def test_a_worker_that_dies_costs_a_warning_and_the_run_is_done_here(spec, data,
         assert not ev._pool.open and ev.prefetch(["bf16"]) == 0  # one process from now on
     finally:
         ev.stop_workers()
-    here = Evaluator(spec, data, TARGET, cache_dir=tmp_path / "here", **SMALL)
+    here = Evaluator(
+        spec, data, TARGET, cache_dir=tmp_path / "here", config=EvaluatorConfig(**SMALL)
+    )
     assert _same_results(got, here.evaluate("fp16"))
 
 
 def test_no_workers_when_fewer_than_two_are_asked(spec, data, tmp_path):
-    ev = Evaluator(spec, data, TARGET, cache_dir=tmp_path / "c", **SMALL)
+    ev = Evaluator(spec, data, TARGET, cache_dir=tmp_path / "c", config=EvaluatorConfig(**SMALL))
     assert "1 worker(s)" in ev.start_workers(1)
     assert ev.prefetch(["bf16"]) == 0 and ev.worker_threads == 0
     ev.stop_workers()  # nothing to stop
@@ -73,7 +79,7 @@ def test_a_pool_given_no_work_stops_its_workers(spec, data, tmp_path):
     """Workers start with the pool; one that never gets a run (every evaluation cached) must
     still exit when the pool closes, else the interpreter's exit waits for them forever (a PPO
     search on a full cache hung so)."""
-    ev = Evaluator(spec, data, TARGET, cache_dir=tmp_path / "c", **SMALL)
+    ev = Evaluator(spec, data, TARGET, cache_dir=tmp_path / "c", config=EvaluatorConfig(**SMALL))
     ev.reference()
     assert ev.start_workers(2) is None
     processes = list(ev._pool._executor._processes.values())

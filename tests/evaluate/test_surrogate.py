@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from autoprec.evaluate import Evaluator
+from autoprec.evaluate import Evaluator, EvaluatorConfig
 from autoprec.evaluate.surrogate import SHARED_PRIOR_RATIO, Surrogate
 from autoprec.policy import PrecisionPolicy
 from autoprec.sensitivities.grade import SensitivityTable
@@ -106,7 +106,7 @@ def test_many_observations_learn_which_layer_hurts():
 
 
 def test_surrogate_fidelity_is_fast_finite_ordered_and_not_stored(spec, data):
-    ev = Evaluator(spec, data, TARGET, **SMALL)
+    ev = Evaluator(spec, data, TARGET, config=EvaluatorConfig(**SMALL))
     first = ev.evaluate("bf16", fidelity="surrogate")  # fp32 short reference + sensitivities
     runs = ev.runs
     start = time.perf_counter()
@@ -129,7 +129,9 @@ def test_surrogate_fidelity_is_fast_finite_ordered_and_not_stored(spec, data):
 
     fp8 = ev.evaluate("fp8", fidelity="surrogate")
     fp32 = ev.evaluate("fp32", fidelity="surrogate")
-    fresh = Evaluator(spec, data, TARGET, **SMALL)  # the unfitted model: summed sensitivities
+    fresh = Evaluator(
+        spec, data, TARGET, config=EvaluatorConfig(**SMALL)
+    )  # the unfitted model: summed sensitivities
     table = fresh.surrogate().table
     for p in ("fp8", "bf16"):
         column = table.matrix("loss_delta")
@@ -143,7 +145,7 @@ def test_surrogate_fidelity_is_fast_finite_ordered_and_not_stored(spec, data):
 
 
 def test_refit_on_real_evaluations_moves_predictions_towards_them(spec, data):
-    ev = Evaluator(spec, data, TARGET, **SMALL)
+    ev = Evaluator(spec, data, TARGET, config=EvaluatorConfig(**SMALL))
     policies = ["bf16", "fp8", {"conv1": "fp8"}, {"fc2": "fp8", "fc1": "bf16"}]
     before = [ev.evaluate(p, fidelity="surrogate").loss_delta for p in policies]
     assert ev.surrogate().n_fitted == 0
@@ -159,14 +161,14 @@ def test_refit_on_real_evaluations_moves_predictions_towards_them(spec, data):
     assert len(ev.surrogate_pairs) == len(policies)
 
     # pairs made before the surrogate exists are used when it is built
-    other = Evaluator(spec, data, TARGET, **SMALL)
+    other = Evaluator(spec, data, TARGET, config=EvaluatorConfig(**SMALL))
     other.evaluate("bf16")
     assert other.surrogate().n_fitted == 1
 
 
 def test_unknown_fidelity_raises_a_clear_error(spec, data):
-    ev = Evaluator(spec, data, TARGET, **SMALL)
+    ev = Evaluator(spec, data, TARGET, config=EvaluatorConfig(**SMALL))
     with pytest.raises(ValueError, match="unknown fidelity 'medium'.*surrogate"):
         ev.evaluate("bf16", fidelity="medium")
     with pytest.raises(ValueError, match="unknown fidelity"):
-        Evaluator(spec, data, TARGET, fidelity="fast")
+        Evaluator(spec, data, TARGET, config=EvaluatorConfig(fidelity="fast"))

@@ -259,7 +259,7 @@ def test_a_model_with_no_layer_to_tune_is_one_line_before_any_training(
 def test_an_environment_of_a_model_with_no_layer_to_tune_is_refused_before_training(
     tmp_path, monkeypatch
 ):
-    from autoprec.envs.factory import make_env
+    from autoprec.envs.factory import make_env_by_name
     from autoprec.layers import NoTunableLayerError
 
     (tmp_path / "no_layer_model.py").write_text(NO_LAYER)
@@ -267,5 +267,5 @@ def test_an_environment_of_a_model_with_no_layer_to_tune_is_refused_before_train
     monkeypatch.setenv("AUTOPREC_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delitem(sys.modules, "no_layer_model", raising=False)
     with pytest.raises(NoTunableLayerError, match="'no_layer_model:build' has no layer"):
-        make_env(model="no_layer_model:build", image_size=32)
+        make_env_by_name(model="no_layer_model:build", image_size=32)
     assert not (tmp_path / "cache" / "warmstart").exists()

@@ -231,12 +231,17 @@ def test_fp32_training_reports_every_step_of_every_attempt():
 
 def test_the_warm_start_tells_its_steps(tmp_path):
     from autoprec.data import load_dataset_for
-    from autoprec.evaluate import Evaluator
+    from autoprec.evaluate import Evaluator, EvaluatorConfig
     from autoprec.models import load_model
 
     spec = load_model("tinycnn", num_classes=10)
-    ev = Evaluator(spec, load_dataset_for(spec, "teacher"), "h100-sxm", cache_dir=tmp_path,
-                   warm_start_steps=3)  # fmt: skip
+    ev = Evaluator(
+        spec,
+        load_dataset_for(spec, "teacher"),
+        "h100-sxm",
+        cache_dir=tmp_path,
+        config=EvaluatorConfig(warm_start_steps=3),
+    )
     told = []
     ev.warm_start_state(lambda *a: told.append(a))
     assert told == [("lr 0.05", done, 3) for done in range(4)]

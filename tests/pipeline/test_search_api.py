@@ -139,8 +139,8 @@ def test_the_search_trains_with_the_configs_recipe(monkeypatch):
 
     seen = {}
 
-    def capture(workload, device, **kwargs):
-        seen.update(kwargs)
+    def capture(workload, device, config):
+        seen["recipe"] = config.recipe
         raise KeyboardInterrupt  # an interrupt before any evaluation: nothing to export
 
     monkeypatch.setattr(run, "build_evaluator", capture)
