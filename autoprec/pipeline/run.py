@@ -294,12 +294,12 @@ class _Run:
 
     def _start_tracking(self) -> None:
         """Open the MLflow parent run (a failure turns tracking off with one line)."""
-        from autoprec.tracking import SearchTracker
+        from autoprec.tracking import SearchRunInfo, SearchTracker
         from autoprec.training.recipe import to_provenance
 
         begin = time.perf_counter()
         c = self.c
-        self.tracker = SearchTracker(
+        info = SearchRunInfo(
             c.model,
             dataset=c.dataset,
             target=c.target,
@@ -308,8 +308,6 @@ class _Run:
             seed=c.seed,
             fidelity=c.fidelity,
             reward=self.problem.reward,
-            tracking_uri=c.tracking_uri,
-            experiment=c.experiment,
             params={
                 "steps": c.steps,
                 "precisions": c.precisions,
@@ -323,6 +321,7 @@ class _Run:
                 **to_provenance(c.recipe, default_too=True),  # recipe_optimizer, recipe_lr, ...
             },
         )
+        self.tracker = SearchTracker(info, tracking_uri=c.tracking_uri, experiment=c.experiment)
         if self.tracker.start():
             self.tell.line(
                 f"mlflow: run {self.tracker.run_id} in experiment "

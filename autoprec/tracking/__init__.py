@@ -6,8 +6,8 @@ MLflow and matplotlib are imported only when tracking starts, so importing this 
 cheap.
 
 Example:
-    >>> from autoprec.tracking import SearchTracker, resolve_tracking_uri
-    >>> SearchTracker("tinycnn", enabled=False).start()
+    >>> from autoprec.tracking import SearchRunInfo, SearchTracker
+    >>> SearchTracker(SearchRunInfo("tinycnn"), enabled=False).start()
     False
 """
 
@@ -26,7 +26,7 @@ from autoprec.tracking.client import (
     one_line,
     resolve_tracking_uri,
 )
-from autoprec.tracking.search import SearchTracker, lowered_layers, policy_digest
+from autoprec.tracking.search import SearchRunInfo, SearchTracker, lowered_layers, policy_digest
 from autoprec.tracking.training import TrainTracker
 from autoprec.tracking.verification import VerifyTracker
 
@@ -37,6 +37,7 @@ __all__ = [
     "EXPERIMENT_TAGS",
     "STATUSES",
     "GuardedClient",
+    "SearchRunInfo",
     "SearchTracker",
     "TrainTracker",
     "VerifyTracker",

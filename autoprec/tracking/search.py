@@ -18,8 +18,9 @@ and ignores every later call (:class:`~autoprec.tracking.client.GuardedClient`).
 matplotlib) are imported only when tracking starts.
 
 Example:
-    >>> from autoprec.tracking import SearchTracker
-    >>> tracker = SearchTracker("tinycnn", agent="random", target="h100-sxm", budget=3)
+    >>> from autoprec.tracking import SearchRunInfo, SearchTracker
+    >>> info = SearchRunInfo("tinycnn", agent="random", target="h100-sxm", budget=3)
+    >>> tracker = SearchTracker(info)
     >>> with tracker:  # doctest: +SKIP
     ...     result = search(problem, budget=3, agent="random", callbacks=[tracker])
     ...     tracker.finish(result, best_policy_path="best_policy.yaml")
@@ -33,6 +34,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -69,8 +71,9 @@ _BEST_METRICS = ("accuracy_delta", "loss_delta", "speedup", "memory_ratio", "acc
 _AMP_METRICS = ("speedup", "memory_ratio", "loss_delta", "accuracy_delta")
 
 
-class SearchTracker:
-    """Logs one search to MLflow; see the module docstring for what goes where.
+@dataclass(frozen=True)
+class SearchRunInfo:
+    """What a tracked search is: its parent run's params and tags.
 
     Args:
         model: the searched model's name.
@@ -82,14 +85,34 @@ class SearchTracker:
         fidelity: the real fidelity (``"short"`` or ``"full"``).
         reward: the search's reward (its weights and tolerance become parent params, and it
             scores the AMP reference); None is ``RewardConfig()``.
+        params: more parent params (e.g. steps, precisions); values are turned into strings.
+    """
+
+    model: str
+    dataset: str = ""
+    target: str = ""
+    agent: str = ""
+    budget: int = 0
+    seed: int = 0
+    fidelity: str = "short"
+    reward: RewardConfig | None = None
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+
+class SearchTracker:
+    """Logs one search to MLflow; see the module docstring for what goes where.
+
+    Args:
+        info: what the search is (model, data, target, agent, budget, seed, fidelity,
+            reward, more params).
         tracking_uri: MLflow tracking URI; default ``$MLFLOW_TRACKING_URI``, else
             ``sqlite:///mlflow.db`` (in the working folder).
         experiment: experiment name; default ``autoprec/<model>``.
         enabled: False makes every method a no-op (and imports nothing).
         run_name: the parent run's name; default ``<agent>-<target>-seed<seed>``.
-        params: more parent params (e.g. steps, precisions); values are turned into strings.
 
     Attributes:
+        info: the search's :class:`SearchRunInfo`.
         active: whether runs are being logged (False once disabled, failed or finished).
         run_id: the parent run's id once started, else None.
         experiment_id: the experiment's id once started, else None.
@@ -98,35 +121,20 @@ class SearchTracker:
 
     def __init__(
         self,
-        model: str,
+        info: SearchRunInfo,
         *,
-        dataset: str = "",
-        target: str = "",
-        agent: str = "",
-        budget: int = 0,
-        seed: int = 0,
-        fidelity: str = "short",
-        reward: RewardConfig | None = None,
         tracking_uri: str | None = None,
         experiment: str | None = None,
         enabled: bool = True,
         run_name: str | None = None,
-        params: Mapping[str, Any] | None = None,
     ) -> None:
-        self.model = model
-        self.dataset = dataset
-        self.target = target
-        self.agent = agent
-        self.budget = budget
-        self.seed = seed
-        self.fidelity = fidelity
-        self._reward = reward
+        self.info = info
+        self._reward = info.reward
         self.client = GuardedClient(tracking_uri)
         self.tracking_uri = self.client.tracking_uri
-        self.experiment = experiment or f"autoprec/{model}"
+        self.experiment = experiment or f"autoprec/{info.model}"
         self.enabled = enabled
-        self.run_name = run_name or f"{agent}-{target}-seed{seed}"
-        self.extra_params = dict(params or {})
+        self.run_name = run_name or f"{info.agent}-{info.target}-seed{info.seed}"
         self.run_id: str | None = None
         self.experiment_id: str | None = None
         self.trial_runs: dict[int, str] = {}  # trial number -> nested run id
@@ -173,9 +181,9 @@ class SearchTracker:
         with self.client.guard("cannot start", CONNECT_LIMITS):
             self.experiment_id = self.client.connect(self.experiment)
             tags = {
-                "autoprec.agent": self.agent,
-                "autoprec.target": self.target,
-                "autoprec.model": self.model,
+                "autoprec.agent": self.info.agent,
+                "autoprec.target": self.info.target,
+                "autoprec.model": self.info.model,
             }
             self.run_id = self.client.create_run(self.experiment_id, self.run_name, tags)
             self.client.log(self.run_id, params=self._parent_params())
@@ -198,7 +206,7 @@ class SearchTracker:
             tags = {
                 "mlflow.parentRunId": self.run_id,
                 "autoprec.trial": str(trial.number),
-                "autoprec.agent": self.agent,
+                "autoprec.agent": self.info.agent,
             }
             run_id = self.client.create_run(self.experiment_id, f"trial-{trial.number:03d}", tags)
             metrics = {name: getattr(trial.metrics, name) for name in TRIAL_METRICS}
@@ -307,18 +315,18 @@ class SearchTracker:
         except ImportError:  # pragma: no cover - torch is a dependency
             torch_version = "none"
         params: dict[str, Any] = {
-            "model": self.model,
-            "dataset": self.dataset,
-            "target": self.target,
-            "agent": self.agent,
-            "budget": self.budget,
-            "seed": self.seed,
-            "fidelity": self.fidelity,
+            "model": self.info.model,
+            "dataset": self.info.dataset,
+            "target": self.info.target,
+            "agent": self.info.agent,
+            "budget": self.info.budget,
+            "seed": self.info.seed,
+            "fidelity": self.info.fidelity,
             **self.reward.params(),
             "autoprec_version": __version__,
             "torch_version": torch_version,
         }
-        params.update(self.extra_params)
+        params.update(self.info.params)
         return params
 
     def _final_metrics(
@@ -363,8 +371,9 @@ class SearchTracker:
         return rows
 
     def _title(self, result: SearchResult) -> str:
+        info = self.info
         return (
-            f"{self.model} on {self.target or result.target}: {self.agent or result.agent}, "
+            f"{info.model} on {info.target or result.target}: {info.agent or result.agent}, "
             f"{len(result.real_trials)} evaluations"
         )
 

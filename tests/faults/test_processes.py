@@ -146,20 +146,26 @@ def _dead_pid() -> int:
 
 
 def test_a_run_left_running_by_a_killed_process_is_ended_killed_by_the_next_one(tmp_path, capsys):
-    from autoprec.tracking import SearchTracker
+    from autoprec.tracking import SearchRunInfo, SearchTracker
     from autoprec.tracking.client import PID_TAG
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    killed = SearchTracker("stale", agent="random", target="h100-sxm", tracking_uri=uri)
+    killed = SearchTracker(
+        SearchRunInfo("stale", agent="random", target="h100-sxm"), tracking_uri=uri
+    )
     assert killed.start()  # then its process "dies" without ending it, as under SIGKILL:
     killed.client.mlflow.set_tag(killed.run_id, PID_TAG, str(_dead_pid()))
     capsys.readouterr()
-    live = SearchTracker("stale", agent="random", target="h100-sxm", tracking_uri=uri)
+    live = SearchTracker(
+        SearchRunInfo("stale", agent="random", target="h100-sxm"), tracking_uri=uri
+    )
     try:
         assert live.start()
         assert _status(uri, killed.run_id) == "KILLED"
         assert "ended 1 run(s) of experiment 'autoprec/stale'" in capsys.readouterr().err
-        again = SearchTracker("stale", agent="tpe", target="h100-sxm", tracking_uri=uri)
+        again = SearchTracker(
+            SearchRunInfo("stale", agent="tpe", target="h100-sxm"), tracking_uri=uri
+        )
         assert again.start()  # a run of a live process (this one) is left alone
         assert _status(uri, live.run_id) == "RUNNING"
         again.close("FINISHED")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import time
@@ -15,7 +16,7 @@ from autoprec.agents.base import SearchResult, Trial
 from autoprec.cli import main
 from autoprec.evaluate import Metrics
 from autoprec.policy.io import load_policy
-from autoprec.tracking import SearchTracker, policy_digest
+from autoprec.tracking import SearchRunInfo, SearchTracker, policy_digest
 
 FAST = ["--model", "tinycnn", "--steps", "4", "--train-batch-size", "32"]
 SEARCH = ["search", *FAST, "--agent", "random", "--budget", "3"]
@@ -142,7 +143,9 @@ def test_unreachable_server_turns_tracking_off_and_the_search_goes_on(tmp_path, 
 def test_closed_port_fails_fast():
     import mlflow  # noqa: F401 - import time is not the tracker's
 
-    tracker = SearchTracker("tinycnn", tracking_uri=f"http://127.0.0.1:{closed_port()}")
+    tracker = SearchTracker(
+        SearchRunInfo("tinycnn"), tracking_uri=f"http://127.0.0.1:{closed_port()}"
+    )
     begin = time.perf_counter()
     assert tracker.start() is False
     assert time.perf_counter() - begin < 10
@@ -208,7 +211,7 @@ def _result(trials: list[Trial]) -> SearchResult:
 def test_surrogate_trials_are_counted_not_logged_and_killed_is_kept(db):
     from mlflow import MlflowClient
 
-    tracker = SearchTracker("unit", agent="ppo", target="h100-sxm", tracking_uri=db)
+    tracker = SearchTracker(SearchRunInfo("unit", agent="ppo", target="h100-sxm"), tracking_uri=db)
     trials = [_trial(0, "surrogate"), _trial(1), _trial(2, "surrogate"), _trial(3, speedup=2.0)]
     with tracker:
         assert tracker.active and tracker.run_id
@@ -228,7 +231,7 @@ def test_surrogate_trials_are_counted_not_logged_and_killed_is_kept(db):
 
 
 def test_a_failing_mlflow_call_turns_tracking_off_once(db, capsys):
-    tracker = SearchTracker("broken", tracking_uri=db)
+    tracker = SearchTracker(SearchRunInfo("broken"), tracking_uri=db)
     assert tracker.start()
 
     def fail(*args, **kwargs):
@@ -249,14 +252,14 @@ def test_a_failing_mlflow_call_turns_tracking_off_once(db, capsys):
 
 @pytest.mark.parametrize("uri", ["nosuch://host/x", "http://[::1"])
 def test_a_malformed_uri_turns_tracking_off(uri, capsys):
-    tracker = SearchTracker("tinycnn", tracking_uri=uri)
+    tracker = SearchTracker(SearchRunInfo("tinycnn"), tracking_uri=uri)
     assert tracker.start() is False
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("autoprec: tracking off:") and uri in err[0]
 
 
 def test_disabled_tracker_does_nothing(tmp_path):
-    tracker = SearchTracker("tinycnn", enabled=False)
+    tracker = SearchTracker(SearchRunInfo("tinycnn"), enabled=False)
     assert tracker.start() is False
     tracker.on_trial(_trial(0), _result([_trial(0)]))
     tracker.finish(_result([_trial(0)]))
@@ -264,9 +267,13 @@ def test_disabled_tracker_does_nothing(tmp_path):
 
 
 def test_defaults_and_bad_status(monkeypatch):
-    assert SearchTracker("m").tracking_uri == "sqlite:///mlflow.db"
+    assert SearchTracker(SearchRunInfo("m")).tracking_uri == "sqlite:///mlflow.db"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://tracking:5000")
-    tracker = SearchTracker("m", agent="tpe", target="a100", seed=3)
+    info = SearchRunInfo("m", agent="tpe", target="a100", seed=3)
+    tracker = SearchTracker(info)
+    assert tracker.info is info
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        info.seed = 4  # type: ignore[misc]
     assert tracker.tracking_uri == "http://tracking:5000"
     assert (tracker.experiment, tracker.run_name) == ("autoprec/m", "tpe-a100-seed3")
     with pytest.raises(ValueError, match="unknown run status"):
@@ -279,14 +286,14 @@ def test_reward_settings_are_parent_params(db):
     from autoprec.evaluate.reward import RewardConfig
 
     reward = RewardConfig({"accuracy": 20.0}, tolerance=0.02)
-    tracker = SearchTracker("rewarded", reward=reward, tracking_uri=db)
+    tracker = SearchTracker(SearchRunInfo("rewarded", reward=reward), tracking_uri=db)
     with tracker:
         assert tracker.start()
     (run,) = runs_of(db, "autoprec/rewarded")
     params = run.data.params
     assert (params["w_speedup"], params["w_memory"], params["w_accuracy"]) == ("1.0", "0.5", "20.0")
     assert params["accuracy_tolerance"] == "0.02"
-    assert SearchTracker("m").reward == RewardConfig()
+    assert SearchTracker(SearchRunInfo("m")).reward == RewardConfig()
 
 
 def test_http_limits_hold_only_inside_autoprec_calls(monkeypatch):
