@@ -205,11 +205,11 @@ def run_verification(
 
 def _policy_and_model(policy_file: str | Path, model_name: str, config: VerifyConfig) -> Any:
     """The policy file and the model it is verified on, once they are known to fit."""
-    from autoprec.models import load_model
+    from autoprec.evaluate.workload import training_spec
     from autoprec.policy.io import load_policy
 
     policy = load_policy(policy_file)
-    spec = load_model(model_name, num_classes=config.num_classes, image_size=config.image_size)
+    spec = training_spec(config.workload(model_name))
     made_for = policy.model.name if policy.model is not None else None
     if made_for and made_for != spec.name:
         raise VerifyError(

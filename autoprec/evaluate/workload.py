@@ -9,13 +9,14 @@ search (:mod:`autoprec.pipeline`), ``autoprec migrate``, the environment factory
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from autoprec.evaluate.config import EvaluatorConfig
 
 if TYPE_CHECKING:  # pragma: no cover
     from pathlib import Path
 
+    from autoprec.data import DataBundle
     from autoprec.evaluate.evaluator import Evaluator
     from autoprec.hardware import DeviceSpec
     from autoprec.models import ModelSpec
@@ -119,6 +120,57 @@ def production_spec(
     return spec
 
 
+def _classes(workload: Workload) -> dict[str, int]:
+    return {} if workload.num_classes is None else {"num_classes": workload.num_classes}
+
+
+def _own_spec(workload: Workload, seed: int | None) -> tuple[ModelSpec, int | None]:
+    """The model at its own size (a factory that needs a size: at the fine-tuning size) and
+    the fine-tuning image size (None: that same size); the initial weights of ``seed``."""
+    from autoprec.models import InputShapeError, load_model
+
+    name, image_size, classes = workload.model, workload.image_size, _classes(workload)
+    try:
+        spec = load_model(name, seed=seed, **classes)
+    except InputShapeError:
+        if not workload.small_image and image_size is None:
+            raise
+        # a user's factory that builds at the size it is given: image_size, else the small
+        # size analyze offers it; that is its own size (the costs' too, but for
+        # train_image_size or train_shape)
+        image_size = image_size or SMALL_IMAGE
+        spec = load_model(name, image_size=image_size, seed=seed, **classes)
+    small = workload.small_image and len(spec.input_shape) == 3 and spec.input_shape[-1] == 224
+    if image_size is None and small:
+        image_size = SMALL_IMAGE
+    return spec, image_size
+
+
+def training_spec(workload: Workload, *, seed: int | None = 0) -> ModelSpec:
+    """The model ``workload`` fine-tunes or trains: at ``image_size`` when given, else at its
+    own size (see ``small_image``), its initial weights drawn with ``seed``
+    (:func:`autoprec.models.load_model`)."""
+    from autoprec.models import load_model
+
+    if workload.image_size is not None:  # the size _own_spec would end at, loaded directly
+        return load_model(
+            workload.model, image_size=workload.image_size, seed=seed, **_classes(workload)
+        )
+    spec, image_size = _own_spec(workload, seed)
+    if image_size is None:
+        return spec
+    return load_model(workload.model, image_size=image_size, seed=seed, **_classes(workload))
+
+
+def workload_data(spec: ModelSpec, workload: Workload) -> DataBundle:
+    """``workload``'s data for ``spec`` (:func:`autoprec.data.load_dataset_for`): its
+    dataset (None: the default for the model's task) from ``data_dir``, seeded by ``seed``."""
+    from autoprec.data import load_dataset_for
+
+    root = {"root": workload.data_dir} if workload.data_dir else {}
+    return load_dataset_for(spec, workload.dataset, seed=workload.seed, **root)
+
+
 def build_evaluator(
     workload: Workload,
     device: DeviceSpec | str,
@@ -134,34 +186,16 @@ def build_evaluator(
     evaluator's settings (None: the defaults); its seed is the workload's, and its
     ``cost_batch_size``, when None, the workload's. ``cache_dir``: the evaluator's.
     """
-    from autoprec.data import load_dataset_for
     from autoprec.evaluate.evaluator import Evaluator
-    from autoprec.models import InputShapeError, load_model
+    from autoprec.models import load_model
 
-    name, image_size = workload.model, workload.image_size
-    classes = {} if workload.num_classes is None else {"num_classes": workload.num_classes}
-    try:
-        spec = load_model(name, **classes)
-    except InputShapeError:
-        if not workload.small_image and image_size is None:
-            raise
-        # a user's factory that builds at the size it is given: image_size, else the small
-        # size analyze offers it; that is its own size (the costs' too, but for
-        # train_image_size or train_shape)
-        image_size = image_size or SMALL_IMAGE
-        spec = load_model(name, image_size=image_size, **classes)
-    small = workload.small_image and len(spec.input_shape) == 3 and spec.input_shape[-1] == 224
-    if image_size is None and small:
-        image_size = SMALL_IMAGE
+    spec, image_size = _own_spec(workload, 0)
     cost_spec = production_spec(
-        spec, name, workload.num_classes, workload.train_shape, workload.train_image_size
+        spec, workload.model, workload.num_classes, workload.train_shape, workload.train_image_size
     )
     if image_size is not None:
-        spec = load_model(name, image_size=image_size, **classes)
-    data_kwargs: dict[str, Any] = {"seed": workload.seed}
-    if workload.data_dir:
-        data_kwargs["root"] = workload.data_dir
-    data = load_dataset_for(spec, workload.dataset, **data_kwargs)
+        spec = load_model(workload.model, image_size=image_size, **_classes(workload))
+    data = workload_data(spec, workload)
     workload = replace(workload, dataset=workload.dataset or data.name)
     config = replace(EvaluatorConfig() if config is None else config, seed=workload.seed)
     if config.cost_batch_size is None and workload.cost_batch_size is not None:

@@ -46,6 +46,7 @@ from dataclasses import InitVar, dataclass, field
 from typing import Any, Protocol
 
 from autoprec.evaluate.reward import DEFAULT_TOLERANCE
+from autoprec.evaluate.workload import Workload, training_spec, workload_data
 from autoprec.policy import PrecisionPolicy
 from autoprec.precision import PRECISION_NAMES
 from autoprec.training.recipe import TrainingRecipe, fold_aliases
@@ -149,6 +150,14 @@ class VerifyConfig:
             )
         if not (math.isfinite(self.tolerance) and self.tolerance >= 0):
             raise VerifyError(f"tolerance must be a finite number >= 0, got {self.tolerance!r}")
+
+    def workload(self, model: str, seed: int = 0) -> Workload:
+        """What ``model`` trains on, data seeded by ``seed``: the dataset, its folder, the
+        classes and the image size (None: the model's own; never a smaller one)."""
+        return Workload(
+            model, self.dataset, self.data_dir, self.num_classes, self.image_size,
+            small_image=False, seed=seed,
+        )  # fmt: skip
 
     @property
     def length(self) -> dict[str, int]:
@@ -265,15 +274,10 @@ class _Seed:
     ) -> str:
         """Every arm's run of this seed (fp32 first: it must learn) appended to ``runs``;
         returns the data's name."""
-        from autoprec.data import load_dataset_for
-        from autoprec.models import load_model
-
         config, seed = self.config, self.seed
-        spec = load_model(
-            self.model, num_classes=config.num_classes, image_size=config.image_size, seed=seed
-        )
-        root = {"root": config.data_dir} if config.data_dir else {}
-        data = load_dataset_for(spec, config.dataset, seed=seed, **root)
+        workload = config.workload(self.model, seed)
+        spec = training_spec(workload, seed=seed)  # every seed: its own initial weights
+        data = workload_data(spec, workload)
         initial = weights if weights is not None else spec.module.state_dict()
         initial = {k: v.detach().clone() for k, v in initial.items()}
         for arm in sorted(arms, key=lambda a: a != "fp32"):  # fp32 first: it must learn
