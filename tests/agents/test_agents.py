@@ -360,6 +360,7 @@ print(json.dumps({"real": len(r.real_trials), "own": own, "runs": ev.runs}))
 """
 
 
+@pytest.mark.slow
 def test_two_processes_share_one_study_and_its_budget(tmp_path):
     import optuna
 
@@ -479,6 +480,7 @@ def test_workers_asking_together_on_sqlite_never_get_the_same_enqueued_trial(tmp
     assert sorted(numbers) == list(range(30))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("agent", "calls"), [("ppo", 2), ("random", 1), ("baseline", 1)])
 def test_agents_hand_their_proposals_to_the_workers_and_find_what_they_find_alone(
     agent, calls, spec, data, tmp_path

@@ -162,6 +162,7 @@ search(Problem(ev), budget=budget, seed=0, agent="tpe", storage=storage, study_n
 """
 
 
+@pytest.mark.slow
 def test_tpe_after_sigkill_retries_the_running_trial_and_spends_the_budget(spec, data, tmp_path):
     budget = 8
     _, expected = uninterrupted_tpe(spec, data, tmp_path, budget)

@@ -202,6 +202,7 @@ def test_make_vec_single_env_with_masks():
     venv.close()
 
 
+@pytest.mark.slow
 def test_make_vec_subprocess_two_envs():
     """Two spawned workers (about 6 s on 2 CPU cores, most of it importing torch)."""
     from stable_baselines3.common.vec_env import SubprocVecEnv

@@ -19,6 +19,7 @@ def _same_results(a, b) -> bool:
     return all(getattr(a, f) == getattr(b, f) for f in RESULTS)
 
 
+@pytest.mark.slow
 def test_workers_give_the_results_a_run_here_gives_and_count_as_runs(spec, data, tmp_path):
     here = Evaluator(
         spec, data, TARGET, cache_dir=tmp_path / "here", config=EvaluatorConfig(**SMALL)

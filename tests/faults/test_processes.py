@@ -75,6 +75,7 @@ def wait_gone(pids: set[int]) -> set[int]:
     return set(named.items())
 
 
+@pytest.mark.slow
 def test_sigkill_of_a_search_leaves_no_worker_nor_resource_tracker(tmp_path):
     env = {**os.environ, "AUTOPREC_CACHE_DIR": str(tmp_path / "cache")}
     args = ["search", "--model", "tinycnn", "--train-batch-size", "32", "--no-mlflow"]

@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 from ddp_worker import train
 
 
+@pytest.mark.slow
 def test_ddp_two_gloo_processes_train_under_a_policy(tmp_path):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     mp.spawn(train, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
