@@ -176,6 +176,7 @@ class _OptunaAgent(Agent):
                     if count(study, states, below=trial.number) >= session.budget:
                         trial.set_user_attr("autoprec_skipped", "budget reached by other workers")
                         study.tell(trial, state=TrialState.FAIL)
+                        self._drop_waiting(study, session)
                         return
                     policy = {n: trial.params[n] for n in layers}
                     duplicate = self._duplicate(study, session, trial.number, policy)
