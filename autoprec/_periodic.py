@@ -7,7 +7,11 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterator
 
-__all__ = ["every"]
+__all__ = ["Progress", "every"]
+
+#: A progress report: ``(stage, done, total)``, e.g. ``("warm start", 40, 200)``; the one
+#: shape of every progress callback (warm start, sensitivities, the search's stages).
+Progress = Callable[[str, int, int], None]
 
 
 @contextlib.contextmanager

@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
+from autoprec._periodic import Progress
+
 if TYPE_CHECKING:  # pragma: no cover
     from rich.console import Console
 
@@ -54,7 +56,7 @@ class _Lines:
 @contextlib.contextmanager
 def sensitivity_progress(
     console: Console, what: str
-) -> Iterator[tuple[Callable[[str, int, int], None], Callable[[SensitivityPlan], None]]]:
+) -> Iterator[tuple[Progress, Callable[[SensitivityPlan], None]]]:
     """``(progress, on_plan)`` for one sensitivity table, drawn on ``console`` (stderr).
 
     Args:

@@ -32,6 +32,7 @@ from typing import Any
 
 import click
 
+from autoprec._periodic import Progress
 from autoprec.cli._setup import file_option, model_shape_options
 from autoprec.cli.mlflow_options import experiment_option, no_mlflow_option, tracking_uri_option
 from autoprec.cli.recipe_options import RECIPE_OPTIONS, recipe_from, recipe_options
@@ -383,7 +384,7 @@ class _Echo:
 
     def __init__(self, tracker: Any, echo: Callable[[str], Any], config: VerifyConfig) -> None:
         self.tracker, self.echo, self.config = tracker, echo, config
-        self.progress: Callable[[str, int, int], None] = lambda *_: None
+        self.progress: Progress = lambda *_: None
         self.current: tuple[str, int] | None = None
         self.finished: list[tuple[str, int]] = []
 

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from autoprec._periodic import Progress
 from autoprec.cache import cache_dir as default_cache_dir
 from autoprec.evaluate.cached import EvaluationCache, EvaluationIdentity
 from autoprec.evaluate.config import EvaluatorConfig, check_fidelity
@@ -165,9 +166,7 @@ class Evaluator:
         """The file holding the fp32 warm-start weights."""
         return self._warm.path
 
-    def warm_start_state(
-        self, progress: Callable[[str, int, int], None] | None = None
-    ) -> dict[str, torch.Tensor]:
+    def warm_start_state(self, progress: Progress | None = None) -> dict[str, torch.Tensor]:
         """The fp32 warm-start weights every evaluation fine-tunes from (trained or loaded on
         first use; a training tells its steps to ``progress(stage, done, total)``)."""
         return self._warm.state(progress)
@@ -280,7 +279,7 @@ class Evaluator:
 
     def surrogate(
         self,
-        progress: Callable[[str, int, int], None] | None = None,
+        progress: Progress | None = None,
         on_plan: Callable[[Any], None] | None = None,
     ) -> Surrogate:
         """The surrogate, built on first use and fitted on :attr:`surrogate_pairs`.

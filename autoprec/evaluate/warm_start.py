@@ -17,13 +17,13 @@ from __future__ import annotations
 import copy
 import hashlib
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from autoprec._periodic import Progress
 from autoprec.evaluate._store import load_state, save_state_atomic
 from autoprec.evaluate.config import EvaluatorConfig, digest
 from autoprec.training.pretrain import Attempt, WarmStartError, backoff_note, train_fp32
@@ -84,9 +84,7 @@ class WarmStart:
         self._state: dict[str, torch.Tensor] | None = None
         self._lr = config.recipe.lr
 
-    def state(
-        self, progress: Callable[[str, int, int], None] | None = None
-    ) -> dict[str, torch.Tensor]:
+    def state(self, progress: Progress | None = None) -> dict[str, torch.Tensor]:
         """The weights (CPU tensors): from memory, else from the file, else trained and saved
         (a file that cannot be written costs a note; the weights stay in memory); a training's
         steps are told to ``progress(stage, done, total)`` (see :func:`train_fp32`)."""
@@ -110,9 +108,7 @@ class WarmStart:
         self.state()
         return self._lr / self.config.recipe.lr
 
-    def _train(
-        self, progress: Callable[[str, int, int], None] | None = None
-    ) -> dict[str, torch.Tensor]:
+    def _train(self, progress: Progress | None = None) -> dict[str, torch.Tensor]:
         """``warm_start_steps`` fp32 steps of the recipe (SGD at 0.05 with momentum 0.9 by
         default) from the spec's weights, at the recipe's rate or a backed-off one; the rate is
         saved under :data:`LR_KEY`."""

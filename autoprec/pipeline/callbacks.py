@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from autoprec._periodic import Progress
+
 if TYPE_CHECKING:  # pragma: no cover
     from autoprec.agents.base import SearchCallback
     from autoprec.pipeline.config import SearchConfig
@@ -19,7 +21,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from autoprec.verify import VerifyConfig
 
 #: A stage's progress: ``(stage, done, total)``.
-StageProgress = Callable[[str, int, int], None]
 
 
 class SearchCallbacks:
@@ -40,7 +41,7 @@ class SearchCallbacks:
     @contextlib.contextmanager
     def stage_progress(
         self, what: str
-    ) -> Iterator[tuple[StageProgress | None, Callable[[SensitivityPlan], None] | None]]:
+    ) -> Iterator[tuple[Progress | None, Callable[[SensitivityPlan], None] | None]]:
         """``(progress, on_plan)`` for the warm start (``what="warm start"``) and the
         sensitivity table (``"sensitivity"``), as :func:`autoprec.sensitivity` takes them."""
         yield None, None

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from autoprec._periodic import Progress
 from autoprec.cache import cache_dir, read_entry, write_entry
 from autoprec.layers import model_fingerprint
 from autoprec.precision import Precision, parse_precision
@@ -184,10 +185,6 @@ class SensitivityTable:
         return cls(**d)
 
 
-#: ``progress(stage, done, total)``: called as each stage starts (``done`` 0) and after each step
-Progress = Callable[[str, int, int], None]
-
-
 def _warm_start(
     model: torch.nn.Module,
     spec: ModelSpec,
@@ -278,13 +275,13 @@ def sensitivity(
             methods ignore it.
         train_steps: fp32 SGD steps before measuring, so gradients look like training's.
         cache: reuse/store the result under ``$AUTOPREC_CACHE_DIR`` (default ~/.cache/autoprec).
-        progress: see :data:`Progress`; stages: the fp32 warm-up, the sweep (one step per
-            layer and precision measured), the Taylor estimate.
-        on_plan: called once with the :class:`~autoprec.sensitivities.budget.SensitivityPlan` before
-            the measurements start (not on a cache hit).
-        initial_state: weights to load into the copy before the ``train_steps`` (e.g. the
-            evaluator's fp32 warm start, with ``train_steps=0``, so that the sensitivities
-            describe the very model the evaluations fine-tune).
+        progress: ``progress(stage, done, total)`` (:data:`autoprec._periodic.Progress`), called as
+            each stage starts (``done`` 0) and after each step; stages: the fp32 warm-up, the sweep
+        (one step per layer and precision measured), the Taylor estimate. on_plan: called once with
+            the :class:`~autoprec.sensitivities.budget.SensitivityPlan` before the measurements
+        start (not on a cache hit). initial_state: weights to load into the copy before the
+            ``train_steps`` (e.g. the evaluator's fp32 warm start, with ``train_steps=0``, so that
+            the sensitivities describe the very model the evaluations fine-tune).
         initial_state_key: a name for ``initial_state`` in the cache key (required with it
             when ``cache`` is on: the fingerprint covers the architecture, not the weights).
 

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from autoprec._periodic import Progress
 from autoprec.training.recipe import DEFAULT_RECIPE, TrainingRecipe
 
 if TYPE_CHECKING:  # pragma: no cover - torch is imported where training runs
@@ -80,7 +81,7 @@ def train_fp32(
     momentum: float = 0.9,
     strict: bool = True,
     what: str = "fp32 training",
-    progress: Callable[[str, int, int], None] | None = None,
+    progress: Progress | None = None,
     recipe: TrainingRecipe | None = None,
 ) -> list[Attempt]:
     """Train ``model`` in place for ``steps`` fp32 steps at ``lr``, backing off until it
