@@ -59,8 +59,10 @@ from autoprec.defaults import DEFAULT_DATASET
 from autoprec.evaluate import Evaluator, EvaluatorConfig
 from autoprec.evaluate.config import digest
 from autoprec.evaluate.scoring import relative_loss_delta
+from autoprec.evaluate.workload import production_spec
 from autoprec.models import load_model
 from autoprec.policy.io import load_policy
+from autoprec.training.recipe import TrainingRecipe
 from autoprec.verify import VerifyConfig, run_arm
 
 BASE_FIDELITIES = ["surrogate", "surrogate+12", "short", "full"]
@@ -98,6 +100,24 @@ class Args:
     )
     batch_size: int = 32
     lr: float = 0.05
+    optimizer: str = field(default="sgd", metadata={"help": "sgd (momentum 0.9) or adamw"})
+    init_checkpoint: Path | None = field(
+        default=None,
+        metadata={
+            "help": "continued pre-training: every run, and the evaluator's warm start, starts "
+            "from this fp32 state dict (experiments/outliers.py writes one) instead of fresh "
+            "weights"
+        },
+    )
+    warm_start_steps: int | None = field(
+        default=None, metadata={"help": "the evaluator's fp32 warm start (default: its own)"}
+    )
+    train_shape: str | None = field(
+        default=None, metadata={"help": "production shape the costs are for (llama3-8b)"}
+    )
+    hand_rules: bool = field(
+        default=False, metadata={"help": "also the hand rules of the target (--agent baseline)"}
+    )
     fidelities: list[str] = field(default_factory=lambda: list(BASE_FIDELITIES))
     sample_seed: int = 0
     cache_dir: Path | None = field(default=None, metadata={"help": "default: autoprec's cache"})
@@ -119,6 +139,20 @@ class Args:
                 self.fidelities = ["surrogate", "surrogate+2", "short", "scratch-5", "gradnoise"]
 
     @property
+    def recipe(self) -> TrainingRecipe:
+        """How every run trains (and the evaluator fine-tunes, at its own rate)."""
+        return TrainingRecipe(optimizer=self.optimizer, lr=self.lr, batch_size=self.batch_size)
+
+    @property
+    def run_key(self) -> list[Any]:
+        """What a full run's cache key adds for the recipe and the initial weights (nothing at
+        the defaults, so runs cached before these options existed are found)."""
+        extra: list[Any] = [] if self.optimizer == "sgd" else [self.optimizer]
+        if self.init_checkpoint is not None:
+            extra.append(file_digest(self.init_checkpoint))
+        return extra
+
+    @property
     def section(self) -> str:
         return f"full_training_{self.slug}" + dataset_suffix(self.dataset)
 
@@ -137,14 +171,40 @@ class Args:
 def make_problem(args: Args, cache: Path, seed: int = 0, steps: int | None = None) -> Problem:
     """The evaluator (at its defaults, but for the seed and steps) as the agents see it."""
     spec = load_model(args.model, num_classes=10, image_size=args.size)
+    load_initial(args, spec.module)
     data = load_dataset_for(spec, args.dataset, seed=0)
-    settings = {"seed": seed, "target_mode": args.target_mode}
+    settings: dict[str, Any] = {"seed": seed, "target_mode": args.target_mode}
     if steps is not None:
         settings["steps"] = steps
+    if args.optimizer != "sgd":
+        settings["recipe"] = args.recipe
+    if args.warm_start_steps is not None:
+        settings["warm_start_steps"] = args.warm_start_steps
+    cost_spec = None
+    if args.train_shape is not None:
+        cost_spec = production_spec(spec, args.model, 10, args.train_shape)
     ev = Evaluator(
-        spec, data, target=args.target, cache_dir=cache, config=EvaluatorConfig(**settings)
-    )
+        spec, data, target=args.target, cache_dir=cache, config=EvaluatorConfig(**settings),
+        cost_spec=cost_spec,
+    )  # fmt: skip
     return Problem(ev, precisions=args.precisions)
+
+
+def load_initial(args: Args, module: Any) -> None:
+    """``--init-checkpoint``'s weights into ``module`` (nothing without one)."""
+    if args.init_checkpoint is None:
+        return
+    import torch
+
+    state = torch.load(args.init_checkpoint, map_location="cpu", weights_only=True)
+    module.load_state_dict(state.get("model", state))
+
+
+def file_digest(path: Path) -> str:
+    """A short digest of a file's bytes (a checkpoint in a cache key)."""
+    import hashlib
+
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
 
 
 ENUMERABLE = 1_000_000  # a space up to this size is listed and sampled without replacement
@@ -184,6 +244,11 @@ def choose_policies(args: Args, problem: Problem) -> dict[str, dict[str, str]]:
         policies[f"amp ({amp.default.value})"] = resolved(amp, problem)
     for path in args.policy_files:
         policies[f"file {path.name}"] = resolved(load_policy(path), problem)
+    if args.hand_rules:
+        from autoprec.agents.hand_rules import hand_rule_policies
+
+        for name, assignment in hand_rule_policies(problem):
+            policies[f"rule {name}"] = assignment
     return policies
 
 
@@ -198,11 +263,11 @@ def full_run(args: Args, problem: Problem, assignment: dict[str, str], seed: int
     """One full training of ``assignment`` (``{}``: fp32) with ``seed``, cached as a file."""
     policy = problem.to_policy(assignment)
     config = VerifyConfig(
-        steps=args.steps, seeds=(seed,), batch_size=args.batch_size, lr=args.lr,
-        dataset=args.dataset, image_size=args.image_size, mode="emulate",
+        steps=args.steps, seeds=(seed,), recipe=args.recipe, dataset=args.dataset,
+        image_size=args.image_size, mode="emulate",
     )  # fmt: skip
     key = digest(["v2", args.model, args.dataset, config.length, seed, args.batch_size, args.lr,
-                  policy.to_dict()])  # fmt: skip
+                  policy.to_dict(), *args.run_key])  # fmt: skip
     path = cache / "full_training" / f"{key}.json"
     kept = read_entry(path, lambda p: json.loads(p.read_text()), "full-training run")
     if kept is not None:
@@ -235,6 +300,7 @@ def seeded(args: Args, seed: int) -> tuple[Any, Any]:
 
     if seed not in _SEEDED:
         spec = load_model(args.model, num_classes=10, image_size=args.size, seed=seed)
+        load_initial(args, spec.module)
         data = load_dataset_for(spec, args.dataset, seed=seed)
         initial = {k: v.detach().clone() for k, v in spec.module.state_dict().items()}
         _SEEDED[seed] = (spec, data, initial)
@@ -508,6 +574,15 @@ def report(args: Args, policies: dict, truth: dict, rows: list, truth_wall: floa
     deltas = sorted(truth[n]["final_loss"] for n in policies)
     accuracy = sorted(-truth[n]["accuracy"] for n in policies)
     within = sum(d <= 0.05 for d in deltas)
+    optimizer = (
+        f"SGD lr {args.lr}, momentum 0.9" if args.optimizer == "sgd" else f"AdamW lr {args.lr}"
+    )
+    start = (
+        "from scratch"
+        if args.init_checkpoint is None
+        else f"from the fp32 checkpoint `{Path(args.init_checkpoint).name}` (continued "
+        "pre-training; the evaluator's warm start starts from it too)"
+    )
     lines = [
         f"## Fidelities against full training ({args.model} on {args.dataset})",
         "",
@@ -517,8 +592,9 @@ def report(args: Args, policies: dict, truth: dict, rows: list, truth_wall: floa
         + (", random natively runnable mixes" if args.runnable_mixes else "")
         + (", the target's AMP" if args.amp else "")
         + (", exported policies" if args.policy_files else "")
-        + f"), each trained with fp32 from scratch for {args.steps} steps (batch "
-        f"{args.batch_size}, SGD lr {args.lr}, momentum 0.9: `autoprec verify`'s training) "
+        + (", the target's hand rules" if args.hand_rules else "")
+        + f"), each trained with fp32 {start} for {args.steps} steps (batch "
+        f"{args.batch_size}, {optimizer}: `autoprec verify`'s training) "
         f"with {args.seeds} seeds, emulated. fp32 per seed: {fp32}. What full training "
         "measures, each a delta to fp32 over the seeds: `final loss`, the relative difference "
         "of the final training loss (mean of the last 10% of steps; `autoprec verify`'s loss "
