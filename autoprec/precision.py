@@ -12,6 +12,8 @@ A layer's *precision* names what its matrix work uses; master weights always sta
 | fp8_rowwise | fp8_e4m3       | fp8_e4m3                   | yes, per row, powers of two |
 | fp8_rowwise_gw_hp | fp8_e4m3 | fp8_e4m3 (input gradient); weight gradient unrounded | yes |
 | mxfp8     | fp8_e4m3, 1x32 blocks | fp8_e4m3, 1x32 blocks  | yes, E8M0 per block (Blackwell) |
+| fp8_block | fp8_e4m3, 1x128 / 128x128 | fp8_e4m3, 1x128 tiles | yes, fp32 per tile (Hopper) |
+| nvfp4     | fp4_e2m1, 1x16 / 16x16 | fp4_e2m1, 1x16, stochastic | yes, E4M3 per 16 (Blackwell) |
 
 The fp8 precisions are torchao's float8 training recipes (``Float8LinearConfig.from_recipe_name``):
 ``fp8`` is ``tensorwise`` (each operand scaled from its own current amax), ``fp8_rowwise`` is
@@ -24,6 +26,25 @@ software, not in hardware: all of them run on the fp8 tensor cores (:attr:`Preci
 ``MXFP8Linear``, RCEIL scales): every operand of all three GEMMs in e4m3 blocks of 32 along
 that GEMM's reduction dimension, each with a power-of-two (E8M0) scale, on tensor cores that
 read block scales (Blackwell: hardware ``mxfp8``).
+
+``fp8_block`` is DeepSeek-V3's fp8 block scaling as torchao's ``blockwise_fp8_training``
+prototype (``Float8BlockwiseLinear``) and Transformer Engine's ``Float8BlockScaling`` run it:
+activations and gradients in e4m3 tiles of 1x128 along the GEMM's reduction dimension, weights
+in 128x128 e4m3 blocks, one fp32 scale per tile or block. It runs on the fp8 tensor cores
+(hardware ``fp8``: Hopper and Blackwell).
+
+``nvfp4`` is Transformer Engine's ``NVFP4BlockScaling`` recipe with its defaults: all three GEMMs
+in E2M1 with one E4M3 scale per 16 values along the reduction dimension and one fp32 scale per
+tensor; the weight in 16x16 2-D blocks, the output gradient stochastically rounded, a random
+Hadamard transform on both operands of the weight-gradient GEMM (hardware ``nvfp4``:
+Blackwell). No per-GEMM role split of it is a precision here: neither backend runs one that
+keeps only the weight gradient in high precision (TE's recipe switches the 2-D weight blocks,
+the stochastic rounding and the transform, and its ``backward_override="high_precision"``
+leaves *both* backward GEMMs unquantised; torchao's ``NVFP4TrainingConfig`` quantises all
+three GEMMs and has no per-GEMM option).
+
+Both block formats, like ``mxfp8``, run a Linear as a swapped module (:attr:`Precision.swapped`)
+reading its operands in :func:`block_io_format`'s format.
 """
 
 from __future__ import annotations
@@ -46,22 +67,27 @@ class FormatFacts:
         exponent_bits: width of the exponent field.
         mantissa_bits: width of the stored mantissa (fraction) field.
         bias: exponent bias.
-        storage_bytes: bytes one value occupies in memory (TF32 lives in a 32-bit container).
+        storage_bytes: bytes one value occupies in memory (TF32 lives in a 32-bit container;
+            a 4-bit format packs two values a byte: 0.5).
         has_inf: whether the format encodes infinities. Formats without (OCP ``e4m3fn``) keep
-            only the all-ones pattern for NaN, so their top binade has one value fewer.
+            only the all-ones pattern for NaN, so their top binade has one value fewer, unless
+            they have no NaN either (``has_nan``).
         overflow: what round-to-nearest does with a magnitude past the largest finite value:
             ``"inf"`` (IEEE formats), ``"saturate"`` (clamp to ``±max_finite``, infinities
             included: torch's cast to ``float8_e4m3fn`` and NVIDIA's ``cvt.rn.satfinite`` do
             this) or ``"nan"`` (the OCP non-saturating mode for formats without inf).
+        has_nan: whether the format encodes NaN. OCP's sub-byte MX elements (``fp4_e2m1``)
+            encode none: every bit pattern is a number, the top binade full.
     """
 
     name: str
     exponent_bits: int
     mantissa_bits: int
     bias: int
-    storage_bytes: int
+    storage_bytes: float
     has_inf: bool = True
     overflow: str = "inf"
+    has_nan: bool = True
 
     @property
     def bits(self) -> int:
@@ -81,15 +107,23 @@ FORMAT_FACTS: Mapping[str, FormatFacts] = MappingProxyType(
             FormatFacts("fp16", 5, 10, 15, 2),
             FormatFacts("fp8_e4m3", 4, 3, 7, 1, has_inf=False, overflow="saturate"),
             FormatFacts("fp8_e5m2", 5, 2, 15, 1),
+            # OCP E2M1, NVFP4's element: no inf, no NaN, largest value 6; two values a byte.
+            FormatFacts(
+                "fp4_e2m1", 2, 1, 1, 0.5, has_inf=False, overflow="saturate", has_nan=False
+            ),
         )
     }
 )
 
 
 #: The formats tensor cores compute in, as the device database names them (widest first).
-HARDWARE_PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "fp8", "mxfp8")
+HARDWARE_PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "fp8", "mxfp8", "nvfp4")
 #: MXFP8's block: elements per E8M0 scale, along the GEMM's reduction dimension.
 MX_BLOCK = 32
+#: NVFP4's block: elements per E4M3 scale along the reduction dimension (the weight: 16x16).
+NVFP4_BLOCK = 16
+#: fp8 block scaling's tile: 1x128 for activations and gradients, 128x128 for weights.
+FP8_BLOCK_TILE = 128
 
 
 def mx_io_format(region: str | None) -> str:
@@ -99,6 +133,23 @@ def mx_io_format(region: str | None) -> str:
     multiplies its operands in the dtype they come in), else fp32 (its master weight's; in an
     fp16 region too: torchao's MX casts take fp32 or bf16)."""
     return "bf16" if region == "bf16" else "fp32"
+
+
+def block_io_format(precision: Precision, region: str | None) -> str:
+    """The format a swapped block-scaled Linear (``mxfp8``, ``fp8_block``, ``nvfp4``) reads its
+    input and weight in and writes its output in, inside an autocast region of format
+    ``region`` (None: no region): :func:`mx_io_format`'s for ``mxfp8``; bf16 for ``fp8_block``
+    and ``nvfp4`` in any region, as their backends run them (TE trains under bf16 autocast;
+    torchao's ``Float8BlockwiseLinear`` writes bf16).
+
+    Raises:
+        ValueError: ``precision`` is not block-scaled.
+    """
+    if not precision.is_block:
+        raise ValueError(
+            f"{precision.value} is not block-scaled; expected mxfp8, fp8_block or nvfp4"
+        )
+    return mx_io_format(region) if precision.is_mx else "bf16"
 
 
 @dataclass(frozen=True)
@@ -156,7 +207,7 @@ class Float8Recipe:
         return self.gemms()[gemm][0].fmt is not None
 
 
-_E4M3, _E5M2 = "fp8_e4m3", "fp8_e5m2"
+_E4M3, _E5M2, _E2M1 = "fp8_e4m3", "fp8_e5m2", "fp4_e2m1"
 
 
 class Precision(str, Enum):
@@ -170,6 +221,8 @@ class Precision(str, Enum):
     FP8_ROWWISE = "fp8_rowwise"
     FP8_ROWWISE_GW_HP = "fp8_rowwise_gw_hp"
     MXFP8 = "mxfp8"
+    FP8_BLOCK = "fp8_block"
+    NVFP4 = "nvfp4"
 
     def __str__(self) -> str:
         return self.value
@@ -177,7 +230,9 @@ class Precision(str, Enum):
     @property
     def forward_format(self) -> str:
         """Format of the layer's operands (input and weight) in forward."""
-        return _E4M3 if self.is_fp8 or self.is_mx else self.value
+        if self is Precision.NVFP4:
+            return _E2M1
+        return _E4M3 if self.is_fp8 or self.is_block else self.value
 
     @property
     def backward_format(self) -> str:
@@ -185,13 +240,26 @@ class Precision(str, Enum):
         gradient's GEMM, where a recipe casts it differently per GEMM)."""
         if self.is_fp8:
             return self.recipe.grad_input[0].fmt or _E4M3
-        return _E4M3 if self.is_mx else self.value
+        return self.forward_format
 
     @property
-    def is_8bit(self) -> bool:
+    def swapped(self) -> bool:
         """Whether a Linear at this precision runs as a swapped module (a torchao fp8 recipe's
-        ``Float8Linear`` or ``MXFP8Linear``, or their emulations)."""
-        return self.is_fp8 or self.is_mx
+        ``Float8Linear``, ``MXFP8Linear``, ``Float8BlockwiseLinear``, an NVFP4 Linear, or their
+        emulations) rather than under autocast. (This was ``is_8bit`` before ``nvfp4``.)"""
+        return self.is_fp8 or self.is_block
+
+    @property
+    def is_block(self) -> bool:
+        """Whether this is block-scaled: one scale per block of elements along the GEMM's
+        reduction dimension (``mxfp8``, ``fp8_block``, ``nvfp4``)."""
+        return self in (Precision.MXFP8, Precision.FP8_BLOCK, Precision.NVFP4)
+
+    @property
+    def block_size(self) -> int | None:
+        """Elements per scale along the reduction dimension (mxfp8 32, fp8_block 128, nvfp4
+        16), None for the formats without blocks."""
+        return _BLOCK_SIZES.get(self)
 
     @property
     def is_mx(self) -> bool:
@@ -200,8 +268,9 @@ class Precision(str, Enum):
 
     @property
     def is_fp8(self) -> bool:
-        """Whether this is one of torchao's float8 training recipes."""
-        return self.value.startswith("fp8")
+        """Whether this is one of torchao's float8 training recipes (:data:`FLOAT8_RECIPES`;
+        not ``fp8_block``, a block-scaled format)."""
+        return self in FLOAT8_RECIPES
 
     @property
     def recipe(self) -> Float8Recipe:
@@ -217,24 +286,26 @@ class Precision(str, Enum):
     @property
     def hardware(self) -> str:
         """The tensor-core format this precision computes in (one of
-        :data:`HARDWARE_PRECISIONS`): every fp8 recipe is ``"fp8"``."""
-        return "fp8" if self.is_fp8 else self.value
+        :data:`HARDWARE_PRECISIONS`): every fp8 recipe and ``fp8_block`` is ``"fp8"``."""
+        return "fp8" if self.is_fp8 or self is Precision.FP8_BLOCK else self.value
 
     @property
     def bits(self) -> int:
-        """Significant bits of the forward format (fp32 32, tf32 19, bf16 and fp16 16, fp8 8)."""
+        """Significant bits of the forward format (fp32 32, tf32 19, bf16 and fp16 16, fp8 8,
+        nvfp4 4)."""
         return FORMAT_FACTS[self.forward_format].bits
 
     @property
     def bytes_ratio(self) -> float:
-        """Bytes per element at the forward format, relative to fp32's 4 (tf32: 1.0)."""
+        """Bytes per element at the forward format, relative to fp32's 4 (tf32: 1.0; nvfp4:
+        0.125, its block scales not counted)."""
         return FORMAT_FACTS[self.forward_format].storage_bytes / 4
 
     @property
     def scaled(self) -> bool:
         """Whether casts are scaled (from the current amax, as torchao's), per tensor, row or
         block."""
-        return self.is_fp8 or self.is_mx
+        return self.is_fp8 or self.is_block
 
     @property
     def width(self) -> int:
@@ -242,24 +313,30 @@ class Precision(str, Enum):
         return _ORDER.index(self)
 
     def wider(self) -> Precision | None:
-        """The next wider format (any fp8 recipe or mxfp8 -> fp16 -> bf16 -> tf32 -> fp32), None
-        for fp32.
+        """The next wider format (any fp8 recipe, fp8_block or mxfp8 -> fp16 -> bf16 -> tf32 ->
+        fp32; nvfp4 -> bf16), None for fp32.
 
         fp16 widens to bf16 for its range (the usual fix for fp16 overflow), bf16 to tf32 for
-        its mantissa. The fp8 recipes and mxfp8 share one format (e4m3), so none is wider than
-        another: each widens to fp16, although :attr:`width` ranks them (tensorwise, rowwise,
-        rowwise with a high-precision weight gradient, blocks of 32: the more precise, the
-        wider).
+        its mantissa. The fp8 recipes, fp8_block and mxfp8 share one format (e4m3), so none is
+        wider than another: each widens to fp16, although :attr:`width` ranks them (tensorwise,
+        rowwise, 1x128 tiles, rowwise with a high-precision weight gradient, blocks of 32: the
+        more precise, the wider). nvfp4 widens to bf16, what its users do with a layer NVFP4
+        hurts (the NVFP4 paper, arXiv 2509.25149, switches to bf16; torchtitan and
+        Megatron-Bridge keep their bf16 tail), not to an fp8 format.
         """
-        if self.is_fp8 or self.is_mx:
+        if self is Precision.NVFP4:
+            return Precision.BF16
+        if self.is_fp8 or self.is_block:
             return Precision.FP16
         i = self.width
         return _ORDER[i + 1] if i + 1 < len(_ORDER) else None
 
 
 _ORDER = [
+    Precision.NVFP4,
     Precision.FP8,
     Precision.FP8_ROWWISE,
+    Precision.FP8_BLOCK,
     Precision.FP8_ROWWISE_GW_HP,
     Precision.MXFP8,
     Precision.FP16,
@@ -268,8 +345,13 @@ _ORDER = [
     Precision.FP32,
 ]
 
+_BLOCK_SIZES = {
+    Precision.MXFP8: MX_BLOCK,
+    Precision.FP8_BLOCK: FP8_BLOCK_TILE,
+    Precision.NVFP4: NVFP4_BLOCK,
+}
+
 PRECISION_NAMES = tuple(p.value for p in Precision)
-FP8_NAMES = tuple(p.value for p in Precision if p.is_fp8)
 
 #: torchao's recipes, operand by operand (``torchao.float8.config.Float8LinearConfig
 #: .from_recipe_name``): tensorwise keeps one scale per tensor and e5m2 gradients; rowwise
@@ -302,6 +384,10 @@ FLOAT8_RECIPES: Mapping[Precision, Float8Recipe] = MappingProxyType(
         ),
     }
 )
+
+
+#: torchao's float8 training recipes (:data:`FLOAT8_RECIPES`), by precision name.
+FP8_NAMES = tuple(p.value for p in FLOAT8_RECIPES)
 
 
 def parse_precision(value: object) -> Precision:

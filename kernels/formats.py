@@ -71,8 +71,9 @@ class Format(FormatFacts):
     def max_finite(self) -> float:
         """Largest finite value."""
         m = self.mantissa_bits
-        # With inf, the top binade is full; without (e4m3fn), its all-ones mantissa is NaN.
-        top_mantissa = (1 << m) - (1 if self.has_inf else 2)
+        # With inf (or with neither inf nor NaN: e2m1), the top binade is full; without inf but
+        # with NaN (e4m3fn), its all-ones mantissa is NaN.
+        top_mantissa = (1 << m) - (2 if self.has_nan and not self.has_inf else 1)
         return (1.0 + top_mantissa / (1 << m)) * 2.0**self.max_exponent
 
     @property

@@ -191,9 +191,11 @@ def runnability(
     if mode == "emulate":
         if p.is_fp8 and p is not Precision.FP8 and kind != "linear":
             return Verdict(p, None, f"the {p.recipe.name} fp8 recipe is for nn.Linear layers")
-        if p.is_mx and kind != "linear":
-            return Verdict(p, None, "mxfp8 training is for nn.Linear layers")
+        if p.is_block and kind != "linear":
+            return Verdict(p, None, f"{p.value} training is for nn.Linear layers")
         return Verdict(p, Backend.EMULATE)
+    if p in (Precision.FP8_BLOCK, Precision.NVFP4):  # native modules not wired yet
+        return Verdict(p, None, f"autoprec's native runtime does not run {p.value} yet")
     if p.is_mx:
         return _mx(p, kind, features)
     if not p.is_fp8:

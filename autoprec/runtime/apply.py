@@ -319,11 +319,11 @@ def apply_policy(
         unlisted = {
             n: m for n, m in tunable_layers(model) if n not in precisions and m not in _applied
         }
-        fp8 = {n: p for n, p in precisions.items() if p.is_8bit}
+        fp8 = {n: p for n, p in precisions.items() if p.swapped}
         if fp8:
             handle.float8 = native.Float8Swap(model, fp8)
     else:  # the rowwise recipes and MX cast per GEMM: their Linears run an emulating module
-        recipes = {n: p for n, p in precisions.items() if p.is_8bit and p is not Precision.FP8}
+        recipes = {n: p for n, p in precisions.items() if p.swapped and p is not Precision.FP8}
         if recipes:
             handle.float8 = native.Float8Swap(model, recipes, build=handle.emulated_float8)
     for name, precision in precisions.items():

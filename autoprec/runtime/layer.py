@@ -113,7 +113,7 @@ class ManagedLayer:
         emulated fp8-recipe layer's module casts by itself (:mod:`.float8_emulate`): its
         casters are that module's."""
         recipe_casts = getattr(self.runner, "casts", None)
-        if precision.is_8bit and not self.native and recipe_casts is not None:
+        if precision.swapped and not self.native and recipe_casts is not None:
             return recipe_casts
         if precision is Precision.FP8 and self.handle.region_format is not None:
             return LayerCasts(precision, count=count, output_format=self.handle.region_format)
@@ -259,7 +259,7 @@ class ManagedLayer:
                 this layer's weight.
         """
         self._begin_call()
-        if not self.native and self.precision.is_8bit and self.runner is not self.module:
+        if not self.native and self.precision.swapped and self.runner is not self.module:
             raise NotRunnableError(
                 f"layer {self.name!r} is {self.precision.value} but its weight is used "
                 f"functionally ({getattr(func, '__name__', func)}), outside the nn.Linear its "
@@ -282,7 +282,7 @@ class ManagedLayer:
                 else:
                     kwargs[where] = rounded
             return self._round_gradient(func(*args, **kwargs))
-        if self.precision.is_8bit:
+        if self.precision.swapped:
             raise NotRunnableError(
                 f"layer {self.name!r} is fp8 but its weight is used functionally "
                 f"({getattr(func, '__name__', func)}), not through an nn.Linear torchao can swap; "
@@ -335,7 +335,7 @@ class ManagedLayer:
         )
         over, under = self.casts.counts()
         self._folded = (self._folded[0] + over, self._folded[1] + under)
-        if self.precision.is_8bit and self.runner is not self.module:
+        if self.precision.swapped and self.runner is not self.module:
             self._unswap = True  # this call still runs in the fp8 module
         self.casts = self._casts(wider, self.casts.count)
         self.promotions.append(event)

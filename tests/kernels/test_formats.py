@@ -9,7 +9,14 @@ TORCH_BACKED = ["fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2"]
 
 
 def test_registry_names():
-    assert format_names() == ["fp32", "tf32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2"]
+    assert format_names() == ["fp32", "tf32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1"]
+
+
+def test_fp4_e2m1_limits():
+    """OCP E2M1: no inf, no NaN, so the top binade is full: 0, 0.5, 1, 1.5, 2, 3, 4, 6."""
+    fp4 = get_format("fp4_e2m1")
+    assert (fp4.max_finite, fp4.min_normal, fp4.min_subnormal) == (6.0, 1.0, 0.5)
+    assert fp4.bits == 4 and fp4.storage_bytes == 0.5 and fp4.torch_dtype is None
 
 
 @pytest.mark.parametrize("name", TORCH_BACKED)
