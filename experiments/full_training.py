@@ -563,6 +563,23 @@ def plot(args: Args, policies: dict, truth: dict, signals: dict, table: dict) ->
     plt.close(fig)
 
 
+def training_words(args: Args) -> str:
+    """``from scratch for 500 steps (batch 32, SGD lr 0.05, momentum 0.9: ...)``."""
+    optimizer = (
+        f"SGD lr {args.lr}, momentum 0.9" if args.optimizer == "sgd" else f"AdamW lr {args.lr}"
+    )
+    start = (
+        "from scratch"
+        if args.init_checkpoint is None
+        else f"from the fp32 checkpoint `{Path(args.init_checkpoint).name}` (continued "
+        "pre-training; the evaluator's warm start starts from it too)"
+    )
+    return (
+        f"{start} for {args.steps} steps (batch {args.batch_size}, {optimizer}: "
+        "`autoprec verify`'s training)"
+    )
+
+
 def report(args: Args, policies: dict, truth: dict, rows: list, truth_wall: float, wall: float):
     ref = truth["fp32"]["reference"]
     fp32 = "; ".join(
@@ -574,15 +591,6 @@ def report(args: Args, policies: dict, truth: dict, rows: list, truth_wall: floa
     deltas = sorted(truth[n]["final_loss"] for n in policies)
     accuracy = sorted(-truth[n]["accuracy"] for n in policies)
     within = sum(d <= 0.05 for d in deltas)
-    optimizer = (
-        f"SGD lr {args.lr}, momentum 0.9" if args.optimizer == "sgd" else f"AdamW lr {args.lr}"
-    )
-    start = (
-        "from scratch"
-        if args.init_checkpoint is None
-        else f"from the fp32 checkpoint `{Path(args.init_checkpoint).name}` (continued "
-        "pre-training; the evaluator's warm start starts from it too)"
-    )
     lines = [
         f"## Fidelities against full training ({args.model} on {args.dataset})",
         "",
@@ -593,8 +601,7 @@ def report(args: Args, policies: dict, truth: dict, rows: list, truth_wall: floa
         + (", the target's AMP" if args.amp else "")
         + (", exported policies" if args.policy_files else "")
         + (", the target's hand rules" if args.hand_rules else "")
-        + f"), each trained with fp32 {start} for {args.steps} steps (batch "
-        f"{args.batch_size}, {optimizer}: `autoprec verify`'s training) "
+        + f"), each trained with fp32 {training_words(args)} "
         f"with {args.seeds} seeds, emulated. fp32 per seed: {fp32}. What full training "
         "measures, each a delta to fp32 over the seeds: `final loss`, the relative difference "
         "of the final training loss (mean of the last 10% of steps; `autoprec verify`'s loss "

@@ -1,0 +1,185 @@
+"""The searched export against the hand rules, judged by full training (issue 36's proof).
+
+The ground truth of experiments/full_training.py (the same options, the same cached runs):
+every policy of its set -- the target's hand rules (``--hand-rules``), the uniform formats and
+random per-layer mixes -- trained ``--seeds`` times for ``--steps`` steps. Here each is also
+priced (the evaluator's cost model at ``--train-shape``: speedup and memory against fp32) and
+scored by the search's reward with its *full-training* final-loss delta in place of the
+fine-tuning one (:class:`autoprec.evaluate.RewardConfig`, default weights and tolerance).
+
+Then each agent of ``--agents`` searches with ``--budget`` real evaluations at the evaluator's
+default fidelity (``autoprec.agents.search`` on a fresh evaluator over the same cache, so its
+surrogate learns only from its own evaluations, as in ``autoprec search``), and its best policy
+is trained like the ground truth. The report says, per policy, its speed, memory, full-training
+loss delta per seed and reward, and for each agent's export whether it beats every hand rule:
+at least as fast under the cost model and a final loss no worse, or a higher reward.
+
+    python experiments/frontier.py --model llama --dataset python-text --target b200 \\
+        --train-shape llama3-8b --optimizer adamw --lr 1e-3 --hand-rules \\
+        --init-checkpoint experiments/results/lm/llama-python-text-fp32.pt --write-docs
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import full_training as ft
+from benchlib import md_table, parse_args, publish
+from benchlib import provenance as provenance_lines
+
+from autoprec.agents import search
+from autoprec.cache import cache_dir as default_cache_dir
+from autoprec.evaluate import RewardConfig
+
+DEFAULT_AGENTS = ["ppo", "tpe", "greedy", "random"]
+
+
+@dataclass
+class Args(ft.Args):
+    agents: list[str] = field(default_factory=lambda: list(DEFAULT_AGENTS))
+    budget: int = field(default=16, metadata={"help": "real evaluations per agent"})
+    search_seed: int = 0
+    fidelities: list[str] = field(default_factory=list)
+
+    @property
+    def section(self) -> str:
+        return f"frontier_{self.slug}" + ft.dataset_suffix(self.dataset)
+
+
+def priced(problem: Any, assignment: dict[str, str]) -> Any:
+    """The evaluator's metrics of ``assignment`` at its default fidelity (cached)."""
+    return problem.evaluate(assignment)
+
+
+def truth_reward(metrics: Any, loss_delta: float) -> float:
+    """The search's reward with the full-training loss delta in place of the evaluator's."""
+    return RewardConfig()(dataclasses.replace(metrics, loss_delta=loss_delta))
+
+
+def row(name: str, metrics: Any, truth: dict) -> dict[str, Any]:
+    per_seed = truth["per_seed"]["final_loss"]
+    return {
+        "policy": name,
+        "speedup": metrics.speedup,
+        "memory": metrics.memory_ratio,
+        "fidelity_delta": metrics.loss_delta,
+        "truth_delta": truth["final_loss"],
+        "per_seed": per_seed,
+        "reward": truth_reward(metrics, truth["final_loss"]),
+    }
+
+
+def beats(mine: dict, rule: dict) -> bool:
+    """At least as fast and no worse a final loss (one strictly better), or a higher reward."""
+    faster = mine["speedup"] >= rule["speedup"] and mine["truth_delta"] <= rule["truth_delta"]
+    strictly = mine["speedup"] > rule["speedup"] or mine["truth_delta"] < rule["truth_delta"]
+    return (faster and strictly) or mine["reward"] > rule["reward"]
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(Args, __doc__.splitlines()[0], argv)
+    cache = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
+    start = time.perf_counter()
+    problem = ft.make_problem(args, cache)
+    policies = ft.choose_policies(args, problem)
+    print(f"{len(policies)} policies of {args.model} on {args.dataset}", flush=True)
+    truth = ft.ground_truth(args, problem, policies, cache)
+    rows = {n: row(n, priced(problem, a), truth[n]) for n, a in policies.items()}
+    exports: dict[str, dict] = {}
+    for agent in args.agents:
+        t = time.perf_counter()
+        fresh = ft.make_problem(args, cache)
+        result = search(fresh, args.budget, seed=args.search_seed, agent=agent)
+        best = result.best
+        if best is None:
+            print(f"{agent}: no real trial", flush=True)
+            continue
+        assignment = dict(best.policy)
+        runs = [ft.full_run(args, problem, assignment, s, cache) for s in range(args.seeds)]
+        reference = truth["fp32"]["reference"]
+        got = {
+            "final_loss": ft.delta("final_loss", runs, reference),
+            "per_seed": {
+                "final_loss": [
+                    ft.delta("final_loss", [r], [f]) for r, f in zip(runs, reference, strict=True)
+                ]
+            },
+        }
+        exports[agent] = row(f"{agent} export", best.metrics, got)
+        exports[agent]["policy_map"] = assignment
+        exports[agent]["search_s"] = time.perf_counter() - t
+        print(f"{agent}: {exports[agent]['search_s']:.0f} s", flush=True)
+    body = report(args, policies, rows, exports, truth, time.perf_counter() - start)
+    publish(args.section, body, args, path=args.docs)
+    return {"rows": rows, "exports": exports}
+
+
+def _fmt(r: dict) -> list[str]:
+    seeds = ", ".join(f"{d:+.4f}" for d in r["per_seed"])
+    return [
+        f"`{r['policy']}`",
+        f"{r['speedup']:.3f}",
+        f"{r['memory']:.3f}",
+        f"{r['fidelity_delta']:+.4f}",
+        f"{r['truth_delta']:+.4f} ({seeds})",
+        f"{r['reward']:.3f}",
+    ]
+
+
+def report(args: Args, policies: dict, rows: dict, exports: dict, truth: dict, wall: float) -> str:
+    rules = {n: r for n, r in rows.items() if n.startswith("rule ")}
+    uniform = {n: r for n, r in rows.items() if len(set(policies[n].values())) == 1}
+    best_mix = max(rows.values(), key=lambda r: r["reward"])
+    header = ["policy", "speedup", "memory", "fidelity loss delta",
+              "full-training loss delta (per seed)", "reward"]  # fmt: skip
+    listed = [*rules.values(), *uniform.values()]
+    if best_mix["policy"] not in rules and best_mix["policy"] not in uniform:
+        listed.append(best_mix)
+    verdicts = []
+    for agent, r in exports.items():
+        lost = [n for n, rule in rules.items() if not beats(r, rule)]
+        verdict = (
+            "no hand rule applies"
+            if not rules
+            else "beats every hand rule"
+            if not lost
+            else f"does not beat {', '.join(lost)}"
+        )
+        verdicts.append([agent, f"{r['search_s']:.0f}", *_fmt(r)[1:], verdict])
+    fp32 = truth["fp32"]["reference"]
+    lines = [
+        f"## The export against the hand rules, by full training ({args.model} on {args.dataset})",
+        "",
+        provenance_lines(ft.invocation(__file__)),
+        f"{len(policies)} policies (the {args.target} hand rules, uniform formats and random "
+        f"mixes of {', '.join(args.precisions)}) trained {ft.training_words(args)}, "
+        f"{args.seeds} seeds; fp32's final loss per seed: "
+        + ", ".join(f"{r['final_loss']:.4f}" for r in fp32)
+        + f". Speed and memory: the cost model on {args.target} at "
+        f"{args.train_shape or 'the fine-tuning shape'} (against fp32). Reward: the search's, "
+        "with the full-training final-loss delta (mean over seeds) in place of the evaluator's. "
+        "Fidelity loss delta: the evaluator's at its default fidelity.",
+        "",
+        md_table(header, [_fmt(r) for r in listed]),
+        "",
+        f"Best policy of the set under this reward: `{best_mix['policy']}` "
+        f"({best_mix['reward']:.3f}).",
+    ]
+    if verdicts:
+        lines += [
+            "",
+            f"Each agent searched with {args.budget} real evaluations (seed "
+            f"{args.search_seed}); its export trained like the ground truth:",
+            "",
+            md_table(["agent", "search (s)", *header[1:], "against the hand rules"], verdicts),
+        ]
+    lines += ["", f"Wall time of this run: {wall:.0f} s (cached runs are read back)."]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
