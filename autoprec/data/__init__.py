@@ -1,5 +1,5 @@
-"""Datasets shaped for a model: offline ones (digits, teacher, synthetic, tokens, teacher-text)
-and ones on disk (cifar10, cifar100, imagefolder).
+"""Datasets shaped for a model: offline ones (digits, teacher, synthetic, tokens, teacher-text,
+python-text) and ones on disk (cifar10, cifar100, imagefolder).
 
 Example:
     >>> from autoprec.data import load_dataset

@@ -11,8 +11,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -49,6 +50,8 @@ class DataBundle:
             ``sequence-classification``.
         key: a stable, file-name-safe cache key covering every setting that changes the data.
         vocab_size: token vocabulary size for token tasks, else ``None``.
+        metadata: what else describes the data (``python-text``: ``{"corpus": fingerprint}``);
+            a ``metadata["corpus"]["sha256"]`` is part of ``key``.
 
     Example:
         >>> b = load_dataset("digits", input_shape=(1, 8, 8))  # doctest: +SKIP
@@ -65,6 +68,7 @@ class DataBundle:
     task: str
     key: str
     vocab_size: int | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.task = getattr(self.task, "value", self.task)  # a Task enum becomes its name
@@ -295,6 +299,21 @@ def token_geometry(req: DataRequest) -> tuple[int, int]:
             f"{name}: token data has input_shape (seq_len,); got {req.input_shape!r}"
         )
     return req.vocab_size, req.input_shape[0]
+
+
+def next_token_task(req: DataRequest, unit: str = "token") -> str:
+    """The task of a next-``unit`` prediction dataset for ``req``: token-classification.
+
+    Raises:
+        DatasetError: the model's task is another one.
+    """
+    task = req.task or "token-classification"
+    if task != "token-classification":
+        raise DatasetError(
+            f"{req.name} labels every position with the next {unit}, for token-classification "
+            f"models; the model's task is {task} (use 'tokens')"
+        )
+    return task
 
 
 def check_num_classes(name: str, have: int, want: int | None) -> int:

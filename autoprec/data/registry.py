@@ -21,6 +21,7 @@ from typing import Any
 from autoprec.data._base import DataBundle, DataRequest, DatasetError
 from autoprec.data.digits import load_digits_bundle
 from autoprec.data.folders import load_cifar_bundle, load_imagefolder_bundle
+from autoprec.data.python_text import load_python_text_bundle
 from autoprec.data.synthetic import load_synthetic_bundle, load_tokens_bundle
 from autoprec.data.teacher import load_teacher_bundle
 from autoprec.data.teacher_text import load_teacher_text_bundle
@@ -68,6 +69,13 @@ _REGISTRY: dict[str, _Entry] = {
         load_teacher_text_bundle,
         "token sequences from a fixed random recurrent teacher, labelled by the next token "
         "(language modelling); offline",
+        ("token-classification",),
+        None,
+    ),
+    "python-text": _Entry(
+        load_python_text_bundle,
+        "the Python standard library's own .py sources as bytes (vocabulary 256), labelled by "
+        "the next byte (language modelling); split by file; offline",
         ("token-classification",),
         None,
     ),
@@ -208,6 +216,9 @@ def load_dataset(
         uses_root=entry.needs_root,
         uses_vocab=bundle.vocab_size is not None,
     )
+    corpus = bundle.metadata.get("corpus")
+    if corpus is not None:  # data read from files that can change: their hash is in the key
+        cache_key = f"{cache_key}-{corpus['sha256'][:12]}"
     return dataclasses.replace(bundle, key=cache_key)
 
 

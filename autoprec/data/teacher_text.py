@@ -30,8 +30,8 @@ from torch.utils.data import TensorDataset
 from autoprec.data._base import (
     DataBundle,
     DataRequest,
-    DatasetError,
     check_num_classes,
+    next_token_task,
     rng,
     split_indices,
     token_geometry,
@@ -93,12 +93,7 @@ def sample_sequences(
 def load_teacher_text_bundle(req: DataRequest) -> DataBundle:
     """Next-token prediction on teacher sequences shaped for ``req``; see the module doc."""
     name = req.name
-    task = req.task or "token-classification"
-    if task != "token-classification":
-        raise DatasetError(
-            f"{name} labels every position with the next token, for token-classification "
-            f"models; the model's task is {task} (use 'tokens')"
-        )
+    task = next_token_task(req)
     vocab, seq_len = token_geometry(req)
     num_classes = check_num_classes(name, vocab, req.num_classes)
     ids, _ = sample_sequences(req.max_samples or DEFAULT_SAMPLES, seq_len + 1, vocab, req.seed)
