@@ -41,6 +41,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from autoprec.precision import NVFP4_BLOCK
+
 from .formats import get_format
 from .quantize import quantize
 
@@ -49,6 +51,7 @@ __all__ = [
     "MX_SCALING_MODES",
     "NVFP4_BLOCK_SIZE",
     "BlockQuantized",
+    "check_block_linear",
     "check_mx_options",
     "mx_quantize",
     "mx_round",
@@ -61,7 +64,7 @@ __all__ = [
 MX_ELEMENTS = ("fp8_e4m3", "fp8_e5m2", "fp6_e2m3", "fp6_e3m2", "fp4_e2m1")
 #: Ways to choose a block's E8M0 scale (torchao's ``ScaleCalculationMode``, lower-cased).
 MX_SCALING_MODES = ("floor", "rceil", "ceil", "even")
-NVFP4_BLOCK_SIZE = 16
+NVFP4_BLOCK_SIZE = NVFP4_BLOCK
 
 _E8M0_BIAS = 127
 _E8M0_NAN = 255
@@ -216,6 +219,48 @@ def check_mx_options(elems: tuple[str, ...], scaling: str, block_size: int) -> N
         _element(name)
     _check_scaling(scaling)
     _check_block_size(block_size)
+
+
+def check_block_linear(
+    what: str,
+    x: Tensor,
+    weight: Tensor,
+    block: int,
+    blocked: tuple[bool, bool, bool],
+    backend: str,
+) -> None:
+    """Refuse the operands of a block-scaled linear ``x (..., K) @ weight (N, K).T`` that its
+    backend cannot run: shapes that do not match, two dtypes, or a dimension a quantised GEMM
+    blocks that is not a multiple of ``block``.
+
+    Args:
+        what: the function's name, for the message.
+        blocked: whether K (in_features), N (out_features) and M (the rows of ``x``) must be
+            multiples of ``block``.
+        backend: the library that needs the same, for the message.
+
+    Raises:
+        ValueError: the first problem, in one line.
+    """
+    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"{what} expects input (..., K) and weight (N, K), got {tuple(x.shape)} and "
+            f"{tuple(weight.shape)}"
+        )
+    if x.dtype != weight.dtype or not x.is_floating_point():
+        raise ValueError(
+            f"{what} expects input and weight of one float dtype, got {x.dtype} and "
+            f"{weight.dtype}; cast them ({backend} runs bf16)"
+        )
+    n, k = weight.shape
+    m = x.numel() // max(k, 1)
+    sizes = {"K (in_features)": k, "N (out_features)": n, "M (rows of input)": m}
+    for (name, size), needed in zip(sizes.items(), blocked, strict=True):
+        if needed and size % block:
+            raise ValueError(
+                f"{what}: {name} = {size} is not a multiple of {block}; pad it ({backend} "
+                "needs the same)"
+            )
 
 
 def _blocks(x: Tensor, block_size: int, dim: int, what: str) -> tuple[Tensor, int]:
