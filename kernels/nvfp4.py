@@ -135,7 +135,9 @@ def nvfp4_te_quantize(
     fp4_max, e4m3_max = _limits()
     x32 = x.float()
     amax = torch.max(torch.abs(x32)) if x32.numel() else torch.zeros((), device=x.device)
-    encode = torch.clamp_max((e4m3_max * fp4_max) / amax, _F32_MAX)
+    # a tensor quotient: ``scalar / tensor`` is ``reciprocal(tensor) * scalar`` in torch, which
+    # rounds twice; TE divides once (torch.div in its reference, IEEE division in CUDA)
+    encode = torch.clamp_max(torch.div(amax.new_tensor(e4m3_max * fp4_max), amax), _F32_MAX)
     encode = torch.where((amax == 0) | (encode == 0), 1.0, encode)
     decode = 1.0 / encode
     blocks = x32.reshape(rows, cols // block, block)
