@@ -36,6 +36,7 @@ __all__ = [
     "model_shape_options",
     "production_spec",
     "resolve_target",
+    "init_weights_option",
     "train_shape_option",
 ]
 F = TypeVar("F", bound=Callable[..., Any])
@@ -115,6 +116,18 @@ def train_shape_option(command: F) -> F:
     )(command)
 
 
+def init_weights_option(command: F) -> F:
+    """``--init-weights FILE``: continued training from a checkpoint (``Workload.init_weights``)."""
+    return click.option(
+        "--init-weights",
+        default=None,
+        metavar="FILE",
+        type=click.Path(dir_okay=False),
+        help="Start from these weights (a state_dict, or an `autoprec train` checkpoint) "
+        "instead of fresh ones: continued training from a checkpoint.",
+    )(command)
+
+
 def evaluator_options(command: F) -> F:
     """The options :func:`build_evaluator` reads beside the model, data and target: ``--seed``,
     ``--num-classes``, ``--image-size``, ``--train-batch-size``, ``--train-image-size``,
@@ -143,6 +156,7 @@ def evaluator_options(command: F) -> F:
             "torchvision).",
         ),
         train_shape_option,
+        init_weights_option,
     ]
     return _apply(options, command)
 
@@ -166,6 +180,7 @@ def build_evaluator(
         o["model_name"], o["dataset"], o["data_dir"], o["num_classes"], o["image_size"],
         train_shape=o.get("train_shape"), train_image_size=o.get("train_image_size"),
         cost_batch_size=o.get("train_batch_size"), seed=o["seed"],
+        init_weights=o.get("init_weights"),
     ).resolved()  # fmt: skip
     settings = EvaluatorConfig(
         fidelity=fidelity, steps=o["steps"], target_mode=o.get("target_mode") or "native"

@@ -229,6 +229,7 @@ class ConsoleCallbacks(SearchCallbacks):
                 config.model,
                 verify,
                 target=config.target,
+                checkpoint=config.init_weights,
                 tracking=tracking | {"experiment": config.experiment},
                 echo=lambda text: self.console.print(text, markup=False, soft_wrap=True),
             )

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from autoprec.cli._setup import model_shape_options
+from autoprec.cli._setup import init_weights_option, model_shape_options
 from autoprec.cli.mlflow_options import experiment_option, no_mlflow_option, tracking_uri_option
 from autoprec.cli.recipe_options import recipe_from, recipe_options
 from autoprec.defaults import DEFAULT_DATASET, LANGUAGE_MODEL_DATASET
@@ -78,6 +78,7 @@ if TYPE_CHECKING:  # pragma: no cover
     help="compiled: native's program under torch.compile (one 16-bit format and fp8 layers).",
 )
 @click.option("--seed", type=int, default=0, show_default=True)
+@init_weights_option
 @no_mlflow_option("the run")
 @tracking_uri_option
 @experiment_option
@@ -112,6 +113,11 @@ def _prepare(o: dict[str, Any]) -> tuple[ModelSpec, DataBundle, PrecisionPolicy]
     policy = load_policy(o["policy_file"])
     torch.manual_seed(o["seed"])  # the same initial weights in every process and every run
     spec = load_model(o["model_name"], num_classes=o["num_classes"], image_size=o["image_size"])
+    if o["init_weights"] is not None:  # continued training; a resumed run's checkpoint wins
+        from autoprec.training.checkpoint import load_model_weights, read_model_weights
+
+        weights = read_model_weights(o["init_weights"], TrainConfigError)
+        load_model_weights(spec.module, weights, o["init_weights"], TrainConfigError)
     data = load_dataset_for(spec, o["dataset"], root=o["data_dir"], seed=o["seed"])
     rank, world, _ = dist_env()
     if rank == 0:

@@ -47,6 +47,9 @@ class Workload:
         cost_batch_size: the production batch (None: the evaluator's default, the fine-tuning
             batch; :meth:`resolved` chooses the search's).
         seed: the data's seed.
+        init_weights: a weights file the model starts from instead of fresh weights: a
+            checkpoint of ``autoprec train`` or a state dict (continued training; the
+            evaluator's warm start, keyed by the initial weights, continues from it).
     """
 
     model: str
@@ -59,6 +62,7 @@ class Workload:
     train_image_size: int | None = None
     cost_batch_size: int | None = None
     seed: int = 0
+    init_weights: str | None = None
 
     def resolved(self) -> Workload:
         """This workload with the search's costing batch: ``cost_batch_size``, else the named
@@ -120,6 +124,21 @@ def production_spec(
     return spec
 
 
+class InitWeightsError(ValueError):
+    """``init_weights`` cannot be read or does not fit the model."""
+
+
+def _initial(spec: ModelSpec, workload: Workload) -> ModelSpec:
+    """``spec`` with ``workload.init_weights`` loaded (as it is without one)."""
+    if workload.init_weights is not None:
+        from autoprec.training.checkpoint import load_model_weights, read_model_weights
+
+        path = workload.init_weights
+        weights = read_model_weights(path, InitWeightsError)
+        load_model_weights(spec.module, weights, path, InitWeightsError)
+    return spec
+
+
 def _classes(workload: Workload) -> dict[str, int]:
     return {} if workload.num_classes is None else {"num_classes": workload.num_classes}
 
@@ -153,13 +172,17 @@ def training_spec(workload: Workload, *, seed: int | None = 0) -> ModelSpec:
     from autoprec.models import load_model
 
     if workload.image_size is not None:  # the size _own_spec would end at, loaded directly
-        return load_model(
-            workload.model, image_size=workload.image_size, seed=seed, **_classes(workload)
+        return _initial(
+            load_model(
+                workload.model, image_size=workload.image_size, seed=seed, **_classes(workload)
+            ),
+            workload,
         )
     spec, image_size = _own_spec(workload, seed)
     if image_size is None:
-        return spec
-    return load_model(workload.model, image_size=image_size, seed=seed, **_classes(workload))
+        return _initial(spec, workload)
+    spec = load_model(workload.model, image_size=image_size, seed=seed, **_classes(workload))
+    return _initial(spec, workload)
 
 
 def workload_data(spec: ModelSpec, workload: Workload) -> DataBundle:
@@ -195,6 +218,7 @@ def build_evaluator(
     )
     if image_size is not None:
         spec = load_model(workload.model, image_size=image_size, **_classes(workload))
+    spec = _initial(spec, workload)
     data = workload_data(spec, workload)
     workload = replace(workload, dataset=workload.dataset or data.name)
     config = replace(EvaluatorConfig() if config is None else config, seed=workload.seed)

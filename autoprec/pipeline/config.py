@@ -89,6 +89,9 @@ class SearchConfig:
         num_classes, image_size: the fine-tuned model's classes and input size.
         train_batch_size, train_image_size, train_shape: the production batch, image size and
             named shape the costs are predicted for.
+        init_weights: a weights file the model starts from (continued training from a
+            checkpoint of ``autoprec train`` or a state dict; None: fresh weights); the
+            verification (``verify``) starts every run from it too.
         workers: processes that run evaluations side by side on a CPU (None: automatic).
         out: the best policy's file; pareto_dir: where the Pareto policies go (None: nowhere).
         storage, study_name, resume: the Optuna storage, the search's name, and whether to
@@ -122,6 +125,7 @@ class SearchConfig:
     train_batch_size: int | None = None
     train_image_size: int | None = None
     train_shape: str | None = None
+    init_weights: str | None = None
     workers: int | None = None
     out: str = "best_policy.yaml"
     pareto_dir: str | None = None
@@ -137,7 +141,7 @@ class SearchConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.precisions, (str, type(None))):  # a list of names: joined
             object.__setattr__(self, "precisions", ",".join(map(str, self.precisions)))
-        for name in ("out", "pareto_dir", "data_dir"):  # a Path is a path
+        for name in ("out", "pareto_dir", "data_dir", "init_weights"):  # a Path is a path
             value = getattr(self, name)
             if isinstance(value, Path):
                 object.__setattr__(self, name, str(value))

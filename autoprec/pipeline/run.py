@@ -206,7 +206,7 @@ class _Run:
         workload = Workload(
             c.model, c.dataset, c.data_dir, c.num_classes, c.image_size,
             train_shape=c.train_shape, train_image_size=c.train_image_size,
-            cost_batch_size=c.train_batch_size, seed=c.seed,
+            cost_batch_size=c.train_batch_size, seed=c.seed, init_weights=c.init_weights,
         ).resolved()  # fmt: skip
         with self._phase("model and data"):
             settings = EvaluatorConfig(
@@ -314,6 +314,7 @@ class _Run:
                 "train_batch_size": c.train_batch_size,
                 "train_image_size": c.train_image_size,
                 "train_shape": c.train_shape,
+                "init_weights": c.init_weights,
                 "image_size": c.image_size,
                 "num_classes": c.num_classes,
                 "study_name": self._search_name(),
@@ -379,8 +380,12 @@ class _Run:
         policy's path, None when no real evaluation finished."""
         begin = time.perf_counter()
         self.policy = self._best_policy(result, interrupted)
+        from autoprec.agents.hand_rules import hand_rules_left_out
+
         amp_reward = None if amp is None else self.problem.reward(amp)
-        written = self.exporter.export(Found(result, self.policy, amp, amp_reward, self.rules))
+        left_out = () if amp is None else hand_rules_left_out(self.problem)
+        found = Found(result, self.policy, amp, amp_reward, self.rules, left_out)
+        written = self.exporter.export(found)
         self.phases["export"] = time.perf_counter() - begin
         return written
 

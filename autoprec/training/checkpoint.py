@@ -155,6 +155,41 @@ def read_torch_file(path: str | os.PathLike[str], error: type[ValueError] = Chec
         ) from None
 
 
+def read_model_weights(
+    path: str | os.PathLike[str], error: type[ValueError] = CheckpointError
+) -> dict[str, Tensor]:
+    """The model weights in ``path``: a checkpoint of ``autoprec train`` (its ``model``) or a
+    state dict (``--init-weights``, ``autoprec verify --checkpoint``).
+
+    Raises:
+        error: as :func:`read_torch_file`, or the file holds no model weights.
+    """
+    from collections.abc import Mapping
+
+    data = read_torch_file(path, error)
+    weights = data.get("model", data) if isinstance(data, Mapping) else None
+    if not isinstance(weights, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, Tensor) for k, v in weights.items()
+    ):
+        raise error(
+            f"checkpoint {path} holds no model weights; expected a file of `autoprec train` "
+            "(last.pt) or a state dict"
+        )
+    return dict(weights)
+
+
+def load_model_weights(
+    module: nn.Module, weights: dict[str, Tensor], where: object, error: type[ValueError]
+) -> None:
+    """``weights`` into ``module`` in place, or ``error`` naming ``where`` (the file) and the
+    first names or shapes that do not fit (another model's or another size's weights)."""
+    try:
+        module.load_state_dict(weights)
+    except RuntimeError as err:  # another architecture's weights
+        text = " ".join(str(err).split())[:200]
+        raise error(f"checkpoint {where} does not fit the model: {text}") from None
+
+
 def _resume_problem(ckpt: Any, config: dict[str, Any], path: Path) -> str | None:
     fix = f"use another checkpoint folder, or delete {path} to start afresh"
     if not isinstance(ckpt, dict) or ckpt.get("version") != CHECKPOINT_VERSION:

@@ -425,22 +425,13 @@ def penalised_run(
 
 
 def _load(module: Any, weights: Mapping[str, Any], checkpoint: Any) -> None:
-    try:
-        module.load_state_dict(weights)
-    except RuntimeError as err:  # another architecture's weights
-        text = " ".join(str(err).split())[:200]
-        raise VerifyError(f"checkpoint {checkpoint} does not fit the model: {text}") from None
+    from autoprec.training.checkpoint import load_model_weights
+
+    load_model_weights(module, dict(weights), checkpoint, VerifyError)
 
 
 def _read_weights(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The model weights of a checkpoint of ``autoprec train`` (its ``model``) or a state dict."""
-    from autoprec.training.checkpoint import read_torch_file
+    from autoprec.training.checkpoint import read_model_weights
 
-    data = read_torch_file(path, VerifyError)
-    weights = data.get("model", data) if isinstance(data, Mapping) else None
-    if not isinstance(weights, Mapping) or not all(hasattr(v, "shape") for v in weights.values()):
-        raise VerifyError(
-            f"checkpoint {path} holds no model weights; expected a file of `autoprec train` "
-            "(last.pt) or a state dict"
-        )
-    return dict(weights)
+    return read_model_weights(path, VerifyError)

@@ -33,3 +33,45 @@ def test_without_an_image_size_verify_keeps_the_models_own_and_the_search_shrink
     assert tuple(own.input_shape)[-1] == 224  # verify: the size the model was made for
     small = training_spec(Workload("resnet18"))  # the search's default: small_image
     assert tuple(small.input_shape)[-1] == 32
+
+
+def test_init_weights_start_the_training_model_and_the_evaluators_from_the_file(tmp_path):
+    """``--init-weights``: continued training from a state dict or an ``autoprec train``
+    checkpoint; the evaluator's model (whose warm start is keyed by its initial weights) and a
+    verification's start from them instead of each seed's fresh weights."""
+    from autoprec.evaluate.workload import build_evaluator
+
+    saved = load_model("mlp", seed=7).module.state_dict()
+    plain, wrapped = tmp_path / "w.pt", tmp_path / "last.pt"
+    torch.save(saved, plain)
+    torch.save({"model": saved, "step": 3}, wrapped)
+    for path in (plain, wrapped):
+        workload = Workload("mlp", init_weights=str(path))
+        for seed in (0, 1):
+            state = training_spec(workload, seed=seed).module.state_dict()
+            assert all(torch.equal(state[k], saved[k]) for k in saved)
+    evaluator, _ = build_evaluator(
+        Workload("mlp", init_weights=str(plain)), "h100-sxm", cache_dir=tmp_path
+    )
+    state = evaluator.spec.module.state_dict()
+    assert all(torch.equal(state[k], saved[k]) for k in saved)
+    fresh, _ = build_evaluator(Workload("mlp"), "h100-sxm", cache_dir=tmp_path)
+    assert fresh.warm_start_path != evaluator.warm_start_path  # its own warm start
+
+
+def test_init_weights_that_are_missing_damaged_or_of_another_model_are_one_line(tmp_path):
+    import pytest
+
+    from autoprec.evaluate.workload import InitWeightsError
+
+    damaged, other = tmp_path / "bad.pt", tmp_path / "cnn.pt"
+    damaged.write_bytes(b"not a torch file")
+    torch.save(load_model("tinycnn").module.state_dict(), other)
+    for path, words in [
+        (tmp_path / "none.pt", "missing"),
+        (damaged, "damaged or not a torch file"),
+        (other, "does not fit the model"),
+    ]:
+        with pytest.raises(InitWeightsError, match=words) as err:
+            training_spec(Workload("mlp", init_weights=str(path)))
+        assert "\n" not in str(err.value)

@@ -349,3 +349,27 @@ def test_torchrun_two_gloo_processes(policy_file, tmp_path):
     rng = state["rng"]  # one RNG state per rank, gathered from both processes
     assert len(rng) == 2 and not torch.equal(rng[0]["cpu"], rng[1]["cpu"])
     assert all(math.isfinite(v) for v in state["train_loss"])
+
+
+def test_cli_trains_on_from_init_weights_and_refuses_weights_of_another_model(tmp_path, capsys):
+    """``autoprec train --init-weights``: a run starts from the file's weights (its first loss
+    is the trained model's, far below a fresh one's), and another model's file is one line."""
+    path = save_policy(_tinycnn_policy(), tmp_path / "p.yaml")
+    first = tmp_path / "first"
+    assert main(_cli(path, "--steps", "30", "--no-mlflow", "--checkpoint-dir", str(first))) == 0
+    trained = torch.load(first / "last.pt", weights_only=True)
+    capsys.readouterr()
+    again = tmp_path / "again"
+    args = ["--steps", "1", "--no-mlflow", "--checkpoint-dir", str(again)]
+    assert main(_cli(path, *args, "--init-weights", str(first / "last.pt"))) == 0
+    fresh = tmp_path / "fresh"
+    assert main(_cli(path, "--steps", "1", "--no-mlflow", "--checkpoint-dir", str(fresh))) == 0
+    continued = torch.load(again / "last.pt", weights_only=True)["train_loss"][0]
+    scratch = torch.load(fresh / "last.pt", weights_only=True)["train_loss"][0]
+    assert continued < trained["train_loss"][0] - 0.3 and continued < scratch - 0.3
+    capsys.readouterr()
+    torch.save(load_model("mlp").module.state_dict(), tmp_path / "mlp.pt")
+    args = ["--steps", "1", "--no-mlflow", "--init-weights", str(tmp_path / "mlp.pt")]
+    assert main(_cli(path, *args)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "does not fit the model" in err and "Traceback" not in err
