@@ -10,6 +10,11 @@ search never proposes a program production training cannot run.
 | matmul      | plain | TF32 | autocast   | no: not a swappable Linear | no                       |
 | attention   | plain | TF32 | autocast   | no: no Linear projections  | no                       |
 
+| kind        | fp8_block (fp8 targets)              | nvfp4 (Blackwell)                      |
+|-------------|--------------------------------------|----------------------------------------|
+| linear      | ``Float8BlockwiseLinear`` (K,N%128)  | TE ``NVFP4BlockScaling`` (K,N%16)      |
+| other kinds | no                                   | no                                     |
+
 (TF32: the TF32 switches, held through backward; autocast: ``torch.autocast``-style
 low-precision compute.)
 
@@ -34,6 +39,19 @@ low-precision compute.)
   multiples of its block of 32 (every GEMM is blocked along its reduction dimension: K for the
   output, N for the input gradient, and the tokens, M, for the weight gradient, which a batch
   of a multiple of 32 tokens satisfies).
+- fp8_block (DeepSeek-V3's 1x128 / 128x128 fp8 blocks) is torchao's
+  ``torchao.prototype.blockwise_fp8_training`` ``Float8BlockwiseLinear`` (Triton kernels; TE's
+  ``Float8BlockScaling`` runs the same recipe) on fp8 targets (Hopper and Blackwell):
+  ``nn.Linear`` only, K and N multiples of 128 (torchao's ``from_float`` asserts it).
+- nvfp4 is Transformer Engine's ``NVFP4BlockScaling`` on targets whose tensor cores run NVFP4
+  (Blackwell: ``nvfp4`` in ``supported_precisions``): ``te.Linear``, K and N (and the tokens)
+  multiples of 16. torchao's ``NVFP4TrainingConfig`` runs it too where M, K and N are multiples
+  of 128: autoprec's native runtime swaps that in on CUDA Blackwell (TE is not looked up).
+- In ``emulate`` mode both run on ``nn.Linear`` layers with the same shape rules as their
+  backends (the kernels refuse other shapes, as the backends do): K and N multiples of 16
+  (nvfp4) or 128 (fp8_block); the tokens a layer sees must be too (the kernels say so).
+- :func:`run_with` names, for every precision, the backend and recipe production training
+  runs it with (the exported policy file states it per layer).
 
 This module imports neither torch nor torchao (``importlib.util.find_spec`` looks torchao up),
 so that masks and costs of a cached layer table need no torch.
@@ -48,7 +66,13 @@ from enum import Enum
 from functools import cache
 from typing import TYPE_CHECKING, Protocol
 
-from autoprec.precision import MX_BLOCK, Precision, parse_precision
+from autoprec.precision import (
+    FP8_BLOCK_TILE,
+    MX_BLOCK,
+    NVFP4_BLOCK,
+    Precision,
+    parse_precision,
+)
 
 if TYPE_CHECKING:
     from autoprec.graph.table import LayerRow, LayerTable
@@ -67,6 +91,7 @@ __all__ = [
     "layer_kind",
     "runnability",
     "refuse",
+    "run_with",
     "runnable_precisions",
     "shapes_of",
     "unrunnable",
@@ -74,6 +99,8 @@ __all__ = [
 ]
 
 FLOAT8_DIVISOR = 16  # torchao: K and N of an fp8 GEMM must be multiples of 16
+BLOCKWISE_DIVISOR = FP8_BLOCK_TILE  # torchao's Float8BlockwiseLinear: K and N multiples of 128
+NVFP4_DIVISOR = NVFP4_BLOCK  # TE's NVFP4: K and N (and the tokens) multiples of 16
 LAYER_KINDS = ("conv", "linear", "matmul", "attention")
 NATIVE_MODES = ("native", "auto")
 
@@ -86,6 +113,8 @@ class Backend(str, Enum):
     AUTOCAST = "autocast"  # low-precision compute as torch.autocast casts it
     FLOAT8 = "torchao.float8"  # torchao Float8Linear (the precision's recipe)
     MX = "torchao.mx_formats"  # torchao MXFP8Linear (MXFP8 training, RCEIL scales)
+    BLOCKWISE = "torchao.blockwise_fp8"  # torchao Float8BlockwiseLinear (1x128 / 128x128)
+    TE = "transformer_engine"  # Transformer Engine's te.Linear under a recipe (NVFP4BlockScaling)
     EMULATE = "emulate"  # autoprec's bit-exact emulation (emulate-mode targets)
 
     def __str__(self) -> str:
@@ -193,11 +222,12 @@ def runnability(
             return Verdict(p, None, f"the {p.recipe.name} fp8 recipe is for nn.Linear layers")
         if p.is_block and kind != "linear":
             return Verdict(p, None, f"{p.value} training is for nn.Linear layers")
+        divisor = _EMULATED_DIVISOR.get(p, 1)  # the kernels' blocks (autoprec.kernels)
+        if features is not None and any(f % divisor for f in features):
+            return Verdict(p, None, f"in/out features not multiples of {divisor} (its blocks)")
         return Verdict(p, Backend.EMULATE)
-    if p in (Precision.FP8_BLOCK, Precision.NVFP4):  # native modules not wired yet
-        return Verdict(p, None, f"autoprec's native runtime does not run {p.value} yet")
-    if p.is_mx:
-        return _mx(p, kind, features)
+    if p.is_block:
+        return _block(p, kind, features)
     if not p.is_fp8:
         return Verdict(p, _base(p))
     if kind == "conv":
@@ -216,15 +246,48 @@ def runnability(
     return Verdict(p, Backend.FLOAT8)
 
 
-def _mx(p: Precision, kind: str, features: tuple[int, int] | None) -> Verdict:
+#: K and N of an emulated block-scaled Linear must be multiples of (the kernels refuse others).
+_EMULATED_DIVISOR = {Precision.FP8_BLOCK: BLOCKWISE_DIVISOR, Precision.NVFP4: NVFP4_DIVISOR}
+#: Per block-scaled precision: its native backend, the backend's module (for the reasons),
+#: and the multiple K and N must be.
+_BLOCK_NATIVE = {
+    Precision.MXFP8: (Backend.MX, "torchao MXFP8Linear", MX_BLOCK),
+    Precision.FP8_BLOCK: (Backend.BLOCKWISE, "torchao Float8BlockwiseLinear", BLOCKWISE_DIVISOR),
+    Precision.NVFP4: (Backend.TE, "Transformer Engine NVFP4BlockScaling", NVFP4_DIVISOR),
+}
+
+
+def _block(p: Precision, kind: str, features: tuple[int, int] | None) -> Verdict:
+    backend, module, divisor = _BLOCK_NATIVE[p]
     if kind != "linear":
-        return Verdict(p, None, "mxfp8 training is for nn.Linear layers (torchao MXFP8Linear)")
-    if features is not None and any(f % MX_BLOCK for f in features):
+        return Verdict(p, None, f"{p.value} training is for nn.Linear layers ({module})")
+    if features is not None and any(f % divisor for f in features):
         k, n = features
-        return Verdict(p, None, f"in/out features {k}x{n} not multiples of {MX_BLOCK} (MX blocks)")
-    if not float8_available():
+        return Verdict(p, None, f"in/out features {k}x{n} not multiples of {divisor} ({module})")
+    if backend is not Backend.TE and not float8_available():
         return Verdict(p, None, 'torchao is not installed (pip install "autoprec[fp8]")')
-    return Verdict(p, Backend.MX)
+    return Verdict(p, backend)
+
+
+#: What production training runs each precision with: (backend, recipe or module).
+_RUN_WITH = {
+    Precision.FP32: ("torch", "fp32 (TF32 off)"),
+    Precision.TF32: ("torch", "TF32 (torch.backends fp32_precision tf32)"),
+    Precision.BF16: ("torch.autocast", "bf16"),
+    Precision.FP16: ("torch.autocast", "fp16 (with loss scaling)"),
+    Precision.FP8: ("torchao", "Float8LinearConfig tensorwise"),
+    Precision.FP8_ROWWISE: ("torchao", "Float8LinearConfig rowwise"),
+    Precision.FP8_ROWWISE_GW_HP: ("torchao", "Float8LinearConfig rowwise_with_gw_hp"),
+    Precision.MXFP8: ("torchao", "MXFP8Linear (RCEIL scales)"),
+    Precision.FP8_BLOCK: ("torchao", "Float8BlockwiseLinear"),
+    Precision.NVFP4: ("transformer_engine", "NVFP4BlockScaling"),
+}
+
+
+def run_with(precision: str | Precision) -> tuple[str, str]:
+    """``(backend, recipe)`` production training runs ``precision`` with, as the exported
+    policy file states it per layer (``("transformer_engine", "NVFP4BlockScaling")``)."""
+    return _RUN_WITH[parse_precision(precision)]
 
 
 @dataclass(frozen=True)

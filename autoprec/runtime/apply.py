@@ -189,12 +189,14 @@ class PolicyHandle(Removable):
         state = "removed" if self.removed else f"{len(self.layers)} layers"
         return f"PolicyHandle(mode={self.mode!r}, {state})"
 
-    def emulated_float8(self, module: nn.Module, precision: Precision) -> nn.Module:
-        """Emulate mode's stand-in for an fp8-recipe or mxfp8 Linear (:mod:`.float8_emulate`).
+    def emulated_float8(self, name: str, module: nn.Module, precision: Precision) -> nn.Module:
+        """Emulate mode's stand-in for layer ``name``, an fp8-recipe or block-scaled Linear
+        (:mod:`.float8_emulate`, :mod:`.block_emulate`).
 
         Raises:
             NotRunnableError: the layer is not an ``nn.Linear``.
         """
+        from autoprec.runtime.block_emulate import EmulatedBlockFP8Linear, EmulatedNVFP4Linear
         from autoprec.runtime.float8_emulate import (
             EmulatedFloat8Linear,
             EmulatedMXLinear,
@@ -208,6 +210,10 @@ class PolicyHandle(Removable):
             )
         if precision.is_mx:
             return EmulatedMXLinear.from_linear(module, self.region_format)
+        if precision is Precision.NVFP4:
+            return EmulatedNVFP4Linear.from_linear(module, name, self.region_format)
+        if precision is Precision.FP8_BLOCK:
+            return EmulatedBlockFP8Linear.from_linear(module, self.region_format)
         casts = RecipeCasts(precision, self.guard.count, self.region_format)
         return EmulatedFloat8Linear.from_linear(module, casts)
 
@@ -312,9 +318,10 @@ def apply_policy(
     handle = PolicyHandle(model, mode, guard)
     handle.region_format = region_of(precisions)
     unlisted: dict[str, nn.Module] = {}
+    device = native.local_device(device_type)
     if mode == "native":
         native.check_native(
-            {n: (modules[n], p) for n, p in precisions.items()}, native.local_device(device_type)
+            {n: (modules[n], p) for n, p in precisions.items()}, device, device_type
         )
         unlisted = {
             n: m for n, m in tunable_layers(model) if n not in precisions and m not in _applied
@@ -322,7 +329,7 @@ def apply_policy(
         fp8 = {n: p for n, p in precisions.items() if p.swapped}
         if fp8:
             handle.float8 = native.Float8Swap(model, fp8)
-    else:  # the rowwise recipes and MX cast per GEMM: their Linears run an emulating module
+    else:  # the rowwise recipes and the block formats cast per GEMM: an emulating module
         recipes = {n: p for n, p in precisions.items() if p.swapped and p is not Precision.FP8}
         if recipes:
             handle.float8 = native.Float8Swap(model, recipes, build=handle.emulated_float8)

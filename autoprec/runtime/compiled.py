@@ -139,7 +139,9 @@ def compile_policy(model: nn.Module, policy: PolicyLike, *, compile: bool = True
     modules = dict(model.named_modules())
     device_type = model_device_type(model)
     native.check_native(
-        {n: (modules[n], p) for n, p in precisions.items()}, native.local_device(device_type)
+        {n: (modules[n], p) for n, p in precisions.items()},
+        native.local_device(device_type),
+        device_type,
     )
     region = region_of(precisions)
     fp8 = {n: p for n, p in precisions.items() if p.is_fp8}

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from autoprec.kernels import DynamicScaledCast, fake_quantize, get_format, mx_linear, quantize
 from autoprec.precision import GEMM_OPERANDS, MX_BLOCK, Precision, mx_io_format
 
-__all__ = ["EmulatedFloat8Linear", "EmulatedMXLinear", "MXCasts", "RecipeCasts"]
+__all__ = ["EmulatedFloat8Linear", "EmulatedMXLinear", "MXCasts", "RecipeCasts", "share_linear"]
 
 
 @dataclass
@@ -98,6 +98,17 @@ class RecipeCasts:
         return over, sum(int(c.underflows) for c in self._casts.values())
 
 
+def share_linear(cls: type[nn.Linear], module: nn.Linear, casts: object) -> nn.Linear:
+    """A ``cls`` (an ``nn.Linear`` subclass) holding ``module``'s very parameters and
+    ``casts`` (built on the meta device: no weights allocated)."""
+    with torch.device("meta"):
+        new = cls(module.in_features, module.out_features, bias=False)
+    new.weight = module.weight
+    new.bias = module.bias
+    new.casts = casts
+    return new
+
+
 class _Float8Matmul(torch.autograd.Function):
     """``input @ weight.T`` with a recipe's casts per GEMM (see the module docstring)."""
 
@@ -139,12 +150,7 @@ class EmulatedFloat8Linear(nn.Linear):
     @classmethod
     def from_linear(cls, module: nn.Linear, casts: RecipeCasts) -> EmulatedFloat8Linear:
         """A module running ``module``'s very parameters under ``casts``."""
-        with torch.device("meta"):
-            new = cls(module.in_features, module.out_features, bias=False)
-        new.weight = module.weight
-        new.bias = module.bias
-        new.casts = casts
-        return new
+        return share_linear(cls, module, casts)
 
     def forward(self, input: Tensor) -> Tensor:  # noqa: D102
         stored = self.casts.output_format
@@ -158,9 +164,10 @@ class EmulatedFloat8Linear(nn.Linear):
 
 @dataclass
 class MXCasts:
-    """An mxfp8 layer's casting state for :class:`~.layer.ManagedLayer`: its module casts by
-    itself (``active`` False). MX blocks scale to their own amax, so nothing overflows; flushes
-    to zero are not counted (``counts()`` is zeros)."""
+    """A block-scaled layer's casting state (mxfp8 here, nvfp4 and fp8_block in
+    :mod:`.block_emulate`) for :class:`~.layer.ManagedLayer`: its module casts by itself
+    (``active`` False). Blocks scale to their own amax, so nothing overflows; flushes to zero
+    are not counted (``counts()`` is zeros)."""
 
     precision: Precision = Precision.MXFP8
     count: bool = False
@@ -183,15 +190,10 @@ class EmulatedMXLinear(nn.Linear):
     def from_linear(cls, module: nn.Linear, region: str | None = None) -> EmulatedMXLinear:
         """A module running ``module``'s very parameters in mxfp8, inside an autocast region
         of format ``region`` (None: none)."""
-        with torch.device("meta"):
-            new = cls(module.in_features, module.out_features, bias=False)
-        new.weight = module.weight
-        new.bias = module.bias
-        new.casts = MXCasts(output_format=region)
-        return new
+        return share_linear(cls, module, MXCasts(output_format=region))
 
     def forward(self, input: Tensor) -> Tensor:  # noqa: D102
-        # as natively (runtime.native.mx_module): input and weight in mx_io_format's dtype,
+        # as natively (runtime.native_blocks.mx_module): input and weight in mx_io_format's dtype,
         # the GEMMs' result in it, handed on in the input's dtype (emulate mode's fp32)
         io = get_format(mx_io_format(self.casts.output_format)).torch_dtype
         dtype = self.weight.dtype if io == torch.float32 else io

@@ -16,6 +16,13 @@ model can price it as autocast's:
 - An fp8 layer is a torchao ``Float8Linear`` (:class:`Float8Swap`) with its precision's recipe;
   inside the region it takes its input in the region's dtype (one cast at the boundary) and
   writes its output in it, as ``Float8Linear`` does under CUDA autocast.
+- A block-scaled layer is a swapped module too, reading its input in
+  :func:`~autoprec.precision.block_io_format`'s dtype, autocast off: torchao's ``MXFP8Linear``
+  (mxfp8, any device: its emulated kernel off CUDA), ``Float8BlockwiseLinear`` (fp8_block) and
+  ``NVFP4Linear`` (nvfp4, from ``NVFP4TrainingConfig``). The last two are Triton kernels for
+  CUDA (sm90+ and sm100): :func:`check_native` refuses them elsewhere in one line naming the
+  backend and the target (:data:`NATIVE_BLOCK`). Their wiring is not exercised by the CPU
+  tests (no GPU here); the emulate mode runs both formats anywhere.
 
 What a device runs natively is read from :mod:`autoprec.hardware.runnability`, the table the
 masks and the cost model read too; :func:`check_native` refuses anything else.
@@ -24,7 +31,6 @@ masks and the cost model read too; :func:`check_native` refuses anything else.
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +40,8 @@ from torch import nn
 
 from autoprec.hardware.program import region_of
 from autoprec.hardware.runnability import LayerShape, Target, refuse, unrunnable
-from autoprec.precision import Precision, mx_io_format
+from autoprec.precision import Precision, block_io_format
+from autoprec.runtime.native_blocks import block_module, refuse_block
 
 __all__ = [
     "CPU_NATIVE_PRECISIONS",
@@ -71,12 +78,15 @@ def local_device(device_type: str) -> Target:
     return detect()
 
 
-def check_native(layers: Mapping[str, tuple[nn.Module, Precision]], device: Target) -> None:
+def check_native(
+    layers: Mapping[str, tuple[nn.Module, Precision]], device: Target, device_type: str = "cpu"
+) -> None:
     """Refuse precisions that ``device`` cannot run natively for these layers.
 
     Raises:
         NotRunnableError: one line naming the layers (the first few) and why.
     """
+    refuse_block(layers, device_type)
     shapes = {name or "<model>": LayerShape.of_module(m) for name, (m, _) in layers.items()}
     precisions = {name or "<model>": p for name, (_, p) in layers.items()}
     refuse(unrunnable(precisions, device, shapes), device)
@@ -189,16 +199,16 @@ def enter_layer(
             frame.context.__enter__()
             args = tuple(cast_floating(a, dtype) for a in args)
         return args, kwargs, frame
-    if precision.is_mx:
+    if precision.is_block:
         # torchao's MXFP8Linear multiplies its operands in the dtype they come in: the layer
-        # reads (and its module casts its weight to) mx_io_format's dtype, autocast off
-        dtype = weight_dtype
+        # reads (and its module casts its weight to) block_io_format's dtype, autocast off
+        region = None
         if outer:
             bf16 = torch.get_autocast_dtype(device_type) == torch.bfloat16
             region = (Precision.BF16 if bf16 else Precision.FP16).value
-            dtype = LOW_DTYPES.get(Precision(mx_io_format(region)), weight_dtype)
             frame.context = torch.autocast(device_type, enabled=False)
             frame.context.__enter__()
+        dtype = LOW_DTYPES.get(Precision(block_io_format(precision, region)), weight_dtype)
         args = tuple(cast_floating(a, dtype) for a in args)
         return args, kwargs, frame
     if precision in LOW_DTYPES:
@@ -264,14 +274,14 @@ class Float8Swap:
     Args:
         model: the model.
         precisions: ``{layer name: fp8 precision}``.
-        build: ``(linear, precision) -> module``; None: torchao's ``Float8Linear``.
+        build: ``(name, linear, precision) -> module``; None: the native modules.
     """
 
     def __init__(
         self,
         model: nn.Module,
         precisions: Mapping[str, Precision],
-        build: Callable[[nn.Module, Precision], nn.Module] | None = None,
+        build: Callable[[str, nn.Module, Precision], nn.Module] | None = None,
     ) -> None:
         self.model = model
         modules = dict(model.named_modules())
@@ -280,11 +290,11 @@ class Float8Swap:
         if build is None:
             self._torchao(model, {n: p for n, p in precisions.items() if p.is_fp8})
             for name, precision in precisions.items():
-                if precision.is_mx:
-                    self._place(name, mx_module(modules[name]))
+                if precision.is_block:
+                    self._place(name, block_module(name, modules[name], precision))
         else:
             for name, precision in precisions.items():
-                runner = build(modules[name], precision)
+                runner = build(name, modules[name], precision)
                 self._place(name, runner)
         if "" in precisions:
             self._root = self.runners[""]
@@ -331,50 +341,3 @@ class Float8Swap:
     def restore_all(self) -> None:
         for name in list(self.originals):
             self.restore(name)
-
-
-def mx_module(module: nn.Module) -> nn.Module:
-    """torchao's ``MXFP8Linear`` (RCEIL scales, e4m3 blocks of 32 in all three GEMMs) running
-    ``module``'s very parameters: cuBLAS's MX GEMM on a GPU (``KernelPreference.AUTO``),
-    torchao's emulated kernel elsewhere. It multiplies its input with its weight cast to the
-    input's dtype, a differentiable cast each step (:func:`~autoprec.precision.mx_io_format`:
-    what FSDP2's bf16 ``param_dtype`` hands torchao's module in torchtitan)."""
-    from torchao.prototype.mx_formats.config import ScaleCalculationMode
-    from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
-
-    cuda = module.weight.device.type == "cuda"
-    with torch.device("meta"):
-        new = _mx_linear_class()(
-            module.in_features,
-            module.out_features,
-            bias=False,
-            kernel_preference=KernelPreference.AUTO if cuda else KernelPreference.EMULATED,
-            scale_calculation_mode=ScaleCalculationMode.RCEIL,
-        )
-    new.weight = module.weight
-    new.bias = module.bias
-    return new
-
-
-@functools.cache
-def _mx_linear_class() -> type[nn.Module]:
-    """torchao's ``MXFP8Linear`` reading its weight in its input's dtype (see :func:`mx_module`)."""
-    from torchao.prototype.moe_training.mxfp8_linear import (
-        MXFP8Linear,
-        _to_mxfp8_then_scaled_mm,
-    )
-
-    class MXFP8Linear(MXFP8Linear):  # noqa: D101 - the name torchao's users know
-        def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: D102
-            output = _to_mxfp8_then_scaled_mm(
-                input,
-                self.weight.to(input.dtype),
-                kernel_preference=self.kernel_preference,
-                scale_calculation_mode=self.scale_calculation_mode,
-                wgrad_with_hp=self.wgrad_with_hp,
-            )
-            if self.bias is not None:
-                output = output + self.bias.to(output.dtype)
-            return output
-
-    return MXFP8Linear

@@ -105,8 +105,11 @@ def check_policy(spec: ModelSpec, policy: PrecisionPolicy, dev: torch.device, mo
     target = None
     if mode in ("native", COMPILED):  # emulation runs every precision anywhere
         from autoprec.runtime.native import local_device  # what apply_policy will check
+        from autoprec.runtime.native_blocks import refuse_block
 
         target = local_device(dev.type)
+        modules = dict(spec.module.named_modules())  # nvfp4, fp8_block: one line naming a backend
+        refuse_block({n: (modules[n], p) for n, p in policy.resolve(spec.module).items()}, dev.type)
     report = policy.validate(spec.module, target)
     if report.ok:
         if mode == COMPILED:

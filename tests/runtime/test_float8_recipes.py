@@ -9,6 +9,7 @@ import functools
 
 import pytest
 import torch
+from runtime_helpers import step_gradients as _step
 from torch import nn
 
 from autoprec.hardware.runnability import runnability
@@ -28,15 +29,6 @@ def _torchao(model: nn.Module, recipe: str) -> nn.Module:
         ref, config=float8.Float8LinearConfig.from_recipe_name(recipe)
     )
     return ref
-
-
-def _step(model: nn.Module, x: torch.Tensor, g: torch.Tensor) -> list[torch.Tensor]:
-    """Output, input gradient and every parameter gradient of one backward of ``g``."""
-    model.zero_grad()
-    x = x.detach().clone().requires_grad_()
-    out = model(x)
-    out.backward(g)
-    return [out.detach(), x.grad, *(p.grad.clone() for p in model.parameters())]
 
 
 @functools.cache
