@@ -121,8 +121,10 @@ def fp8_block_quantize_weight(x: Tensor) -> BlockQuantized:
 
 
 def _mm(a: Tensor, b: Tensor, out_dtype: torch.dtype) -> Tensor:
-    """``a @ b`` of two dequantised (float32) operands, in float32, written in ``out_dtype``."""
-    return torch.mm(a, b).to(out_dtype)
+    """``a @ b`` of two dequantised (float32) operands, in float32 even inside an autocast
+    region, written in ``out_dtype``."""
+    with torch.autocast(a.device.type, enabled=False):
+        return torch.mm(a, b).to(out_dtype)
 
 
 class BlockFP8LinearFunction(torch.autograd.Function):

@@ -84,12 +84,13 @@ class NVFP4LinearFunction(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.options, ctx.generator = options, generator
         x2 = x.reshape(-1, x.shape[-1])
-        if "output" in options.hp_gemms:
-            out = torch.mm(x2, weight.t())
-        else:
-            qx = nvfp4_te_quantize(x2)
-            qw = nvfp4_te_quantize(weight, two_d=options.two_d_weight)
-            out = nvfp4_mm(qx, qw, x.dtype)
+        with torch.autocast(x.device.type, enabled=False):  # the GEMMs' dtypes are TE's
+            if "output" in options.hp_gemms:
+                out = torch.mm(x2, weight.t())
+            else:
+                qx = nvfp4_te_quantize(x2)
+                qw = nvfp4_te_quantize(weight, two_d=options.two_d_weight)
+                out = nvfp4_mm(qx, qw, x.dtype)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     @staticmethod

@@ -152,6 +152,8 @@ def test_linear_close_to_fp32_bias_and_shapes():
         assert 1e-3 < err < 0.05  # e4m3 keeps 3 mantissa bits: ~2% per operand
     with torch.no_grad():  # no weight gradient: any number of rows
         assert block_fp8_linear(x[0, :8], w).shape == (8, 128)
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # the GEMM stays in float32
+            assert torch.equal(block_fp8_linear(x, w, bias), out)
 
 
 @pytest.mark.parametrize(

@@ -400,6 +400,15 @@ def test_clear_errors(call, message):
         call()
 
 
+def test_autocast_does_not_change_the_gemms():
+    x, w, dy = operands(dtype=torch.float32, seed=7)
+    for opts in (NVFP4Options(), NVFP4Options(hp_gemms={"output"})):
+        plain = nvfp4_linear(x, w, options=opts)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            inside = nvfp4_linear(x, w, options=opts)
+        assert inside.dtype == torch.float32 and torch.equal(inside, plain)
+
+
 def test_hp_gemms_lift_the_shape_rules():
     w = torch.ones(8, 32, requires_grad=True)
     opts = NVFP4Options(two_d_weight=False, hp_gemms={"grad_input", "grad_weight"})
