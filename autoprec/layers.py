@@ -2,9 +2,12 @@
 
 Tunable layers are the ones whose matrix work can change precision: ``Conv1d/2d/3d``,
 ``Linear``, ``nn.MultiheadAttention`` (its input and output projections run as one unit; its
-``out_proj`` is covered by the attention module, not listed on its own) and Hugging Face's
+``out_proj`` is covered by the attention module, not listed on its own), Hugging Face's
 GPT-2 style ``Conv1D`` (a transposed linear: ``torch.addmm(bias, x, weight)`` with ``weight`` of
-shape ``(in, out)``; matched by class name, so transformers need not be imported). A layer is
+shape ``(in, out)``; matched by class name, so transformers need not be imported) and a mixture
+of experts' fused experts (:data:`FUSED_EXPERTS`: torchtitan's ``GroupedExperts``, the zoo's
+``llama-moe`` ones, and transformers' ``MixtralExperts``, 3-d weights of shape (experts, out,
+in) run as grouped GEMMs; one layer, one precision for its GEMMs). A layer is
 tunable whether its own ``forward`` runs or its weight is used functionally (torchvision's Swin
 calls ``F.linear`` on ``self.qkv.weight``): the analysis finds its matrix work by the parameter.
 Normalisation layers are not tunable by default: they stay fp32 unless a policy names them.
@@ -45,7 +48,8 @@ class NoTunableLayerError(ValueError):
         """The error for the model named ``model``."""
         kinds = ", ".join(t.__name__ for t in TUNABLE_TYPES)
         return cls(
-            f"model {model!r} has no layer autoprec can tune: no {kinds} or Hugging Face Conv1D "
+            f"model {model!r} has no layer autoprec can tune: no {kinds}, Hugging Face Conv1D or "
+            "fused experts "
             "runs in its forward, so there is no precision to choose; give a model with one"
         )
 
@@ -56,9 +60,34 @@ def is_conv1d(module: nn.Module) -> bool:
     return type(module).__name__ == "Conv1D" and getattr(weight, "ndim", 0) == 2
 
 
+#: Fused experts by class name: the names of their 3-d weights, ``(experts, out, in)`` each, in
+#: the order their GEMMs run. torchtitan's (and the zoo's) ``GroupedExperts``:
+#: ``w2(silu(w1(x)) * w3(x))``; transformers' ``MixtralExperts`` (and its relatives): one
+#: ``gate_up_proj`` whose output halves are the gate and the up projection, then ``down_proj``.
+FUSED_EXPERTS: dict[str, tuple[str, ...]] = {
+    "GroupedExperts": ("w1", "w3", "w2"),
+    "MixtralExperts": ("gate_up_proj", "down_proj"),
+}
+
+
+def expert_weights(module: nn.Module) -> tuple[str, ...]:
+    """The names of ``module``'s 3-d expert weights if it is fused experts
+    (:data:`FUSED_EXPERTS`), else ``()``."""
+    names = FUSED_EXPERTS.get(type(module).__name__, ())
+    if names and all(getattr(getattr(module, n, None), "ndim", 0) == 3 for n in names):
+        return names
+    return ()
+
+
+def is_fused_experts(module: nn.Module) -> bool:
+    """Whether ``module`` is a mixture of experts' fused experts (one tunable layer)."""
+    return bool(expert_weights(module))
+
+
 def is_tunable(module: nn.Module, name: str = "") -> bool:
-    """The default filter: convolutions, linears, attention blocks and ``Conv1D``."""
-    return isinstance(module, TUNABLE_TYPES) or is_conv1d(module)
+    """The default filter: convolutions, linears, attention blocks, ``Conv1D`` and fused
+    experts."""
+    return isinstance(module, TUNABLE_TYPES) or is_conv1d(module) or is_fused_experts(module)
 
 
 def is_norm(module: nn.Module, name: str = "") -> bool:
@@ -78,6 +107,10 @@ def geometry(module: nn.Module) -> tuple[int, int, tuple[int, ...], tuple[int, .
     if is_conv1d(module):
         fan_in, fan_out = module.weight.shape
         return int(fan_in), int(fan_out), (), ()
+    names = expert_weights(module)
+    if names:  # the first GEMM's (in, out): the model's width and the experts' (gate, up) width
+        _, out, fan_in = getattr(module, names[0]).shape
+        return int(fan_in), int(out), (), ()
     return 0, 0, (), ()
 
 

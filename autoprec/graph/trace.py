@@ -121,7 +121,12 @@ class Recorder:
         return self._next_scope - 1
 
     def open_scope(self, owner: str | None) -> int:
-        scope = self._fresh_scope()
+        if owner is not None and self.scopes and self.scopes[-1][1] == owner:
+            # a call inside the layer's own forward (fused experts' three grouped GEMMs): the
+            # forward's scope, so that its later GEMMs read its earlier ones as its own work
+            scope = self.scopes[-1][0]
+        else:
+            scope = self._fresh_scope()
         self.scopes.append((scope, owner))
         return scope
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from autoprec.models import llama
+from autoprec.models import llama, moe
 from autoprec.models.spec import ModelError, ModelSpec, Task
 
 DEFAULT_IMAGE_SIZE = 8
@@ -201,5 +201,8 @@ BUILTIN_MODELS: dict[str, BuiltinEntry] = {
         (llama.DEFAULT_CONFIG.seq_len,),
         shapes={name: config.describe() for name, config in llama.PRODUCTION_SHAPES.items()},
         build_shape=llama.build_llama_shape,
+    ),
+    "llama-moe": BuiltinEntry(
+        moe.build_llama_moe, "token-classification", (moe.DEFAULT_MOE.seq_len,)
     ),
 }

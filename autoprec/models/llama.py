@@ -78,10 +78,9 @@ class LlamaConfig:
     tie_embeddings: bool = False
 
     def __post_init__(self) -> None:
-        for field in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or value < 1:
-                raise ModelError(f"llama: {field} must be a positive int, got {value!r}")
+        self.check_positive(
+            ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size"), "llama"
+        )
         if not isinstance(self.seq_len, int) or self.seq_len < 1:
             raise ModelError(f"llama needs seq_len >= 1, got {self.seq_len!r}")
         if self.dim % self.n_heads or (self.dim // self.n_heads) % 2:
@@ -98,6 +97,13 @@ class LlamaConfig:
                 f"llama: norm_eps must be > 0 and rope_theta > 1, got {self.norm_eps!r}, "
                 f"{self.rope_theta!r}"
             )
+
+    def check_positive(self, fields: tuple[str, ...], model: str) -> None:
+        """Raise :class:`ModelError` unless every one of ``fields`` is a positive int."""
+        for field in fields:
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < 1:
+                raise ModelError(f"{model}: {field} must be a positive int, got {value!r}")
 
     @property
     def head_dim(self) -> int:
@@ -216,18 +222,25 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm residual block: attention, then the SwiGLU feed-forward."""
+    """Pre-norm residual block: attention, then the SwiGLU feed-forward (a variant's MLP:
+    :meth:`build_mlp`, under the name ``mlp_name``)."""
+
+    mlp_name = "feed_forward"
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
         self.attention = Attention(config)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
-        self.feed_forward = FeedForward(config.dim, config.ffn_hidden)
+        setattr(self, self.mlp_name, self.build_mlp(config))
+
+    def build_mlp(self, config: LlamaConfig) -> nn.Module:
+        """The block's MLP: the SwiGLU ``FeedForward``."""
+        return FeedForward(config.dim, config.ffn_hidden)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)
-        return h + self.feed_forward(self.ffn_norm(h))
+        return h + getattr(self, self.mlp_name)(self.ffn_norm(h))
 
 
 class Llama(nn.Module):
@@ -238,13 +251,13 @@ class Llama(nn.Module):
         config: its shape; None: :data:`DEFAULT_CONFIG`.
     """
 
+    block: type[nn.Module] = TransformerBlock  # a variant's blocks (llama-moe: experts)
+
     def __init__(self, config: LlamaConfig | None = None) -> None:
         super().__init__()
         self.config = config = DEFAULT_CONFIG if config is None else config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleDict(
-            {str(i): TransformerBlock(config) for i in range(config.n_layers)}
-        )
+        self.layers = nn.ModuleDict({str(i): self.block(config) for i in range(config.n_layers)})
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
@@ -274,9 +287,10 @@ def _spec(config: LlamaConfig) -> ModelSpec:
     )  # fmt: skip
 
 
-def _check_tokens_only(image_size: int | None, in_channels: int | None) -> None:
+def check_tokens_only(image_size: int | None, in_channels: int | None, name: str = "llama") -> None:
+    """Refuse the image settings for token model ``name``."""
     if image_size is not None or in_channels is not None:
-        raise ModelError("llama reads token ids; image_size and in_channels do not apply")
+        raise ModelError(f"{name} reads token ids; image_size and in_channels do not apply")
 
 
 def build_llama(
@@ -287,7 +301,7 @@ def build_llama(
     ``num_classes`` does not apply: a language model's classes are its vocabulary
     (``spec.num_classes == spec.vocab_size``), whatever is asked.
     """
-    _check_tokens_only(image_size, in_channels)
+    check_tokens_only(image_size, in_channels)
     length = DEFAULT_CONFIG.seq_len if seq_len is None else seq_len
     return _spec(dataclasses.replace(DEFAULT_CONFIG, seq_len=length))
 
@@ -301,7 +315,7 @@ def build_llama_shape(
     Raises:
         ModelError: ``shape`` is not a name of :data:`PRODUCTION_SHAPES`.
     """
-    _check_tokens_only(image_size, in_channels)
+    check_tokens_only(image_size, in_channels)
     if shape not in PRODUCTION_SHAPES:
         raise ModelError(
             f"unknown shape {shape!r} for llama; expected one of {', '.join(PRODUCTION_SHAPES)}"

@@ -38,7 +38,7 @@ from autoprec.hardware.program import region_of
 from autoprec.hardware.runnability import NotRunnableError
 from autoprec.policy import PATTERN_PREFIX, TARGET_MODES, PrecisionPolicy, resolve_mode
 from autoprec.precision import Precision
-from autoprec.runtime import native
+from autoprec.runtime import grouped, native
 from autoprec.runtime.functional import WeightUseMode
 from autoprec.runtime.handle import Removable
 from autoprec.runtime.layer import LayerStats, ManagedLayer
@@ -203,6 +203,8 @@ class PolicyHandle(Removable):
             RecipeCasts,
         )
 
+        if grouped.runs_grouped(module, precision):  # fused experts: grouped GEMMs (.grouped)
+            return grouped.EmulatedExperts(module, precision, self.region_format, self.guard.count)
         if not isinstance(module, nn.Linear):
             raise NotRunnableError(
                 f"{precision.value} runs on nn.Linear layers, not on a "
@@ -319,6 +321,7 @@ def apply_policy(
     handle.region_format = region_of(precisions)
     unlisted: dict[str, nn.Module] = {}
     device = native.local_device(device_type)
+    grouped.check_experts({n: (modules[n], p) for n, p in precisions.items()}, mode, device.name)
     if mode == "native":
         native.check_native(
             {n: (modules[n], p) for n, p in precisions.items()}, device, device_type
@@ -330,7 +333,11 @@ def apply_policy(
         if fp8:
             handle.float8 = native.Float8Swap(model, fp8)
     else:  # the rowwise recipes and the block formats cast per GEMM: an emulating module
-        recipes = {n: p for n, p in precisions.items() if p.swapped and p is not Precision.FP8}
+        recipes = {
+            n: p
+            for n, p in precisions.items()
+            if (p.swapped and p is not Precision.FP8) or grouped.runs_grouped(modules[n], p)
+        }
         if recipes:
             handle.float8 = native.Float8Swap(model, recipes, build=handle.emulated_float8)
     for name, precision in precisions.items():

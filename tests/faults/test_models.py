@@ -8,8 +8,8 @@
   line that names the model, the input's shape and the model's own message, in every command;
 - a forward that needs a second input (diffusers' UNet) and an encoder-decoder (T5) are refused
   in one line that says what to do;
-- Mixtral's experts (3-d parameters multiplied by ``torch._grouped_mm``) are counted in the
-  forward FLOPs, and reported as left out of the tunable layers.
+- Mixtral's experts (3-d parameters multiplied by ``torch._grouped_mm``) are one tunable layer
+  with their FLOPs (issue 36; they were reported as left out of the tunable layers before).
 """
 
 from __future__ import annotations
@@ -262,19 +262,21 @@ def test_the_unet_is_refused_for_its_timestep(models, capsys):
 
 
 # --- Mixtral: the experts are counted ---------------------------------------------------------
-def test_mixtrals_experts_are_counted_and_reported_as_left_out(models, capsys):
+def test_mixtrals_experts_are_one_tunable_layer_with_their_flops(models, capsys):
+    # issue 36: fused experts (3-d weights run as grouped GEMMs) are a tunable layer
     _imported("transformers", "MixtralConfig", "MixtralForSequenceClassification")
     table = analyze(load_model(f"{MODULE}:mixtral"), 2)
-    left_out = {reason.split("(")[-1].rstrip(")"): flops for reason, flops in table.uncovered}
     rows = 2 * 8 * 2  # batch x tokens x experts per token: each a row of the grouped GEMMs
-    assert left_out["MixtralExperts.gate_up_proj"] == 2 * rows * 32 * 128
-    assert left_out["MixtralExperts.down_proj"] == 2 * rows * 64 * 32
+    experts = table["model.layers.0.mlp.experts"]
+    assert experts.type == "MixtralExperts"
+    assert experts.forward_flops == 2 * rows * 32 * 128 + 2 * rows * 64 * 32
+    assert experts.backward_flops == 2 * experts.forward_flops
+    left_out = {reason.split("(")[-1].rstrip(")"): flops for reason, flops in table.uncovered}
     assert "MixtralTopKRouter.weight" in left_out
-    assert table.uncovered_share > 0.5  # the experts carry most of the forward's work
+    assert not any(what.startswith("MixtralExperts") for what in left_out)
     outcome = run_cli(capsys, ["analyze", *_model("mixtral"), "--no-sensitivity"])
     assert outcome.status == 0, outcome.err
-    coverage = " ".join(outcome.out.split())
-    assert f"left out of the tunable layers: {table.uncovered_share:.1%}" in coverage
+    assert "model.layers.0.mlp.experts" in outcome.out
 
 
 @pytest.mark.parametrize("experts", ["mixtral_eager", "mixtral_batched"])
