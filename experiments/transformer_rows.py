@@ -8,7 +8,9 @@ priced by ``CostModel(device).step(table, policy, optimizer="adamw")`` (torchtit
 AdamW) under two policies:
 
 - baseline: every tunable layer (the seven Linears of each block and ``output``) bf16, i.e. AMP;
-- compare: every Linear at the row's fp8 recipe except ``output``, which stays bf16.
+- compare: every Linear at the row's fp8 recipe except ``output``, which stays bf16, and, where
+  the row's ``compare.bf16_from_block`` names a block, the Linears of that block and every later
+  one (torchtitan's NVFP4 recipe for Llama 3 8B converts blocks 0-26 and keeps 27-31 in bf16).
 
 Why ``output`` stays bf16: torchtitan's float8 converter takes a ``filter_fqns`` list whose own
 default is empty (``filter_fqns: list[str] = field(default_factory=list)``, torchtitan
@@ -39,6 +41,8 @@ BASELINE = "bf16"
 
 def unpriced_reason(e: dict[str, Any]) -> str | None:
     """Why the row cannot be priced, or None when it can."""
+    if e.get("unpriced_note"):
+        return e["unpriced_note"]
     missing = [k for k in ("device", "shape", "seq_len", "batch_size") if e.get(k) is None]
     if missing:
         return f"the source gives no {', '.join(missing)}"
@@ -113,18 +117,26 @@ def _widths(c: Any) -> tuple[int, ...]:
     return (c.dim, c.n_layers, c.n_heads, c.n_kv_heads, c.ffn_hidden, c.vocab_size)
 
 
-def policies(table: Any, precision: str) -> tuple[dict[str, str], dict[str, str]]:
-    """(baseline, compare) ``{layer: precision}`` maps over the table's tunable layers."""
+def policies(table: Any, side: dict[str, Any]) -> tuple[dict[str, str], dict[str, str]]:
+    """(baseline, compare) ``{layer: precision}`` maps over the table's tunable layers for the
+    row's compare ``side`` (its precision, and its bf16 tail where ``bf16_from_block`` is set)."""
     names = [row.name for row in table.rows]
     base = dict.fromkeys(names, BASELINE)
-    cmp = {n: BASELINE if n in KEEP_HIGH else precision for n in names}
+    tail = side.get("bf16_from_block")
+    cmp = {n: BASELINE if n in KEEP_HIGH or _in_tail(n, tail) else side["precision"] for n in names}
     return base, cmp
+
+
+def _in_tail(name: str, first: int | None) -> bool:
+    """Whether ``name`` is a Linear of block ``first`` or a later one (``layers.<i>.``)."""
+    parts = name.split(".")
+    return first is not None and parts[0] == "layers" and int(parts[1]) >= first
 
 
 def predict(e: dict[str, Any], cm: Any) -> dict[str, float]:
     """Predicted step times, tokens/s per GPU and the speedup of the row's compare side."""
     table = layer_table(e["model"], llama_config(e), e["batch_size"])
-    base, cmp = policies(table, e["compare"]["precision"])
+    base, cmp = policies(table, e["compare"])
     t_base = cm.step(table, base, optimizer=OPTIMIZER).step_time_s
     t_cmp = cm.step(table, cmp, optimizer=OPTIMIZER).step_time_s
     tokens = e["batch_size"] * e["seq_len"]
@@ -151,7 +163,9 @@ def recipe(e: dict[str, Any]) -> str:
     """``fp8_rowwise (rowwise)``: autoprec's precision and the source's recipe name."""
     side = e["compare"]
     name = side.get("recipe")
-    return f"{side['precision']} ({name})" if name else side["precision"]
+    text = f"{side['precision']} ({name})" if name else side["precision"]
+    tail = side.get("bf16_from_block")
+    return text if tail is None else f"{text}, blocks {tail}+ bf16"
 
 
 def context(e: dict[str, Any], pred: dict[str, float]) -> str:

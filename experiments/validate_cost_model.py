@@ -350,13 +350,14 @@ def header(args: Args, n: int) -> str:
 
 
 TRANSFORMER_INTRO = (
-    "### Transformer training, fp8 vs bf16\n\n"
-    "End-to-end training throughput of Llama models with fp8 Linears against bf16 (AMP), as "
-    "published. Each row is priced per GPU by `experiments/transformer_rows.py`: the Llama at "
-    "the row's shape with its full depth, analysed on the meta device at the published "
-    "per-GPU batch of `seq_len`-token sequences, one `CostModel.step` (optimizer `adamw`) "
-    "with every Linear bf16 against one with every Linear at the recipe except `output` "
-    "(torchtitan's Llama 3 configs leave it in bf16: their float8 `filter_fqns` names it). "
+    "### Transformer training, fp8, MXFP8 and NVFP4 vs bf16\n\n"
+    "End-to-end training throughput of Llama models with fp8, MXFP8 or NVFP4 Linears against "
+    "bf16 (AMP), as published. Each row is priced per GPU by `experiments/transformer_rows.py`: "
+    "the Llama at the row's shape with its full depth, analysed on the meta device at the "
+    "published per-GPU batch of `seq_len`-token sequences, one `CostModel.step` (optimizer "
+    "`adamw`) with every Linear bf16 against one with every Linear at the recipe except "
+    "`output` (torchtitan's Llama 3 configs leave it in bf16: their float8 `filter_fqns` names "
+    "it) and, for NVFP4's bf16 tail (`blocks N+ bf16`), the Linears of block N and later. "
     "Precisions are autoprec's, the source's recipe name in brackets. Communication (FSDP, "
     "tensor parallelism, the fp8 all-gather), activation recomputation and power limits are "
     "not modelled; tokens/s per GPU are context only."

@@ -88,12 +88,13 @@ from typing import TYPE_CHECKING, Any
 
 from autoprec.hardware.database import DeviceSpec, get_device
 from autoprec.hardware.efficiency import CostModelError, Efficiency, default_efficiency
-from autoprec.hardware.factors import ROWWISE_GEMM_EFFICIENCY
+from autoprec.hardware.factors import BLOCK_FP8_GEMM_EFFICIENCY, ROWWISE_GEMM_EFFICIENCY
 from autoprec.hardware.memory import (
     STORAGE_BYTES,
     activation_ratio,
     cast_traffic,
     layer_memory,
+    saved_input_ratio,
 )
 from autoprec.hardware.program import Program, program, region_of
 from autoprec.precision import PRECISION_NAMES, Precision, parse_precision
@@ -246,6 +247,9 @@ class CostModel:
             if p.recipe.low("grad_weight"):
                 results.append(row.weight_bytes)
             rescale_s = self._memory_s(sum(2 * b * STORAGE_BYTES["bf16"] / 4 for b in results))
+        if p is Precision.FP8_BLOCK:  # block-scaled fp8 GEMMs: see BLOCK_FP8_GEMM_EFFICIENCY
+            forward_s /= BLOCK_FP8_GEMM_EFFICIENCY
+            backward_s /= BLOCK_FP8_GEMM_EFFICIENCY
         if p.is_fp8 and not p.recipe.low("grad_weight"):
             half = row.backward_flops * scale / 2
             wide = high if self.device.supports(high) else "fp32"
@@ -313,7 +317,7 @@ class CostModel:
             # an 8-bit layer's output (and the input torchao saves) stay in the activations'
             # dtype: fp8 operands exist only inside its GEMMs
             ratio = activation_ratio(p, high)
-            low, saved = layer_memory(row, p, scale, ratio)
+            low, saved = layer_memory(row, p, scale, saved_input_ratio(p, high))
             low_weights += low
             activations += saved
             if row.other_bytes_forward >= 0:  # measured traffic of the non-matmul ops

@@ -88,9 +88,9 @@ class DeviceSpec:
         peak_tflops: Dense peak TFLOP/s per precision (a supported precision may be unrated).
         memory_bandwidth_gbs: Peak memory bandwidth in GB/s (NaN when unknown).
         memory_gb: Memory capacity in GB.
-        supported_precisions: Formats the tensor cores run, in fp32, tf32, bf16, fp16, fp8, mxfp8
-            order (:data:`~autoprec.precision.HARDWARE_PRECISIONS`; an fp8 recipe runs where fp8
-            does).
+        supported_precisions: Formats the tensor cores run, in fp32, tf32, bf16, fp16, fp8,
+            mxfp8, nvfp4 order (:data:`~autoprec.precision.HARDWARE_PRECISIONS`; an fp8 recipe
+            and fp8_block run where fp8 does).
         preferred: The device's usual mixed-precision rule.
         sources: Source of every figure (``peak_tflops.<precision>``, ``matmul_tflops.<precision>``,
             ``memory_bandwidth_gbs``, ``memory_gb``), optionally the reasoning behind
@@ -392,7 +392,8 @@ def _generic_device(torch: Any, module: Any, backend: str, reported: str) -> Dev
         modern = (major, minor) >= (8, 0)
         supported = ("fp32", "fp16") + (("tf32", "bf16") if modern else ())
         supported += ("fp8",) if (major, minor) >= (8, 9) else ()
-        supported += ("mxfp8",) if major >= 10 else ()  # Blackwell reads MX block scales
+        # Blackwell (10.0 on): tensor cores that read MX block scales, and FP4 (NVFP4)
+        supported += ("mxfp8", "nvfp4") if major >= 10 else ()
         preferred = PreferredMode(*(("bf16", "tf32") if modern else ("fp16", "fp32")), not modern)
     vendor = (
         "intel" if backend == "xpu" else "amd" if getattr(torch.version, "hip", None) else "nvidia"

@@ -20,9 +20,17 @@ from autoprec.precision import PRECISION_NAMES, parse_precision
 #: measurements: large GEMMs reach ~70-90% of peak in NVIDIA's cuBLAS/matmul performance guides,
 #: whole training steps reach ~40-60% model-FLOPs utilisation in MLPerf Training submissions; we
 #: sit between the two. fp8 is lower because real fp8 speedups over bf16 (Transformer Engine
-#: material) are ~1.3-1.5x rather than 2x. Calibrate on the target for real numbers.
+#: material) are ~1.3-1.5x rather than 2x. nvfp4 (Blackwell's FP4 tensor cores): 0.43, a
+#: measurement: the NVFP4 CUTLASS GEMM without its input quantisation reaches 3904 TFLOP/s at
+#: M, N, K = 16384, 6144, 4096 (vllm-project/vllm pull request #20646, 'Basic tuned configs for
+#: NVFP4 CUTLASS dense GEMM', table 'N=6144 K=4096', row 16384, column 'nvfp4-noquant'), 0.43
+#: of a B200's 9000 dense; the same row's bf16 ``torch.mm`` (1360) sits at 0.60 of 2250, the
+#: bf16 default above. (The GPU is not named in the excerpt read; NVFP4 GEMMs run only on
+#: Blackwell and the author's neighbouring SM100 pull requests, e.g. #18778, measure a B200.)
+#: mxfp8 runs at fp8's rate and efficiency (no default of its own). Calibrate on the target for
+#: real numbers.
 DEFAULT_COMPUTE_EFFICIENCY: Mapping[str, float] = MappingProxyType(
-    {"fp32": 0.7, "tf32": 0.6, "bf16": 0.6, "fp16": 0.6, "fp8": 0.5}
+    {"fp32": 0.7, "tf32": 0.6, "bf16": 0.6, "fp16": 0.6, "fp8": 0.5, "nvfp4": 0.43}
 )
 
 
@@ -33,6 +41,16 @@ DEFAULT_COMPUTE_EFFICIENCY: Mapping[str, float] = MappingProxyType(
 #: run the tensorwise kernel with unit scales and rescale the result afterwards (torchao's
 #: ``addmm_float8_unwrapped``), which the cost model charges as a memory pass instead.
 ROWWISE_GEMM_EFFICIENCY = 0.9
+
+#: An fp8 GEMM with 1x128 / 128x128 block scales (``fp8_block``: torchao's
+#: ``blockwise_fp8_training``, Transformer Engine's ``Float8BlockScaling``) relative to the fp8
+#: rate: Transformer Engine's GEMM profiling table (docs/features/low_precision_training/
+#: gemm_profiling/gemm_profiling.rst at 33294178, B300, autocast mode, forward) times FP8Block
+#: against MXFP8 at the same shapes: 'QKV Proj' 0.611 ms against 0.544 ms (0.890) and 'MLP Up'
+#: 0.906 ms against 0.873 ms (0.964); their geometric mean, 0.93. MXFP8 is priced at the plain
+#: fp8 rate, so this is the block-scaled GEMM's rate over fp8's. (Both sides of that table
+#: include quantising the inputs, alike in bytes for the two formats.)
+BLOCK_FP8_GEMM_EFFICIENCY = 0.93
 
 
 class CostModelError(ValueError):
@@ -99,9 +117,10 @@ def fill_compute(measured: Mapping[str, float], precisions: tuple[str, ...]) -> 
     if not out:
         return out
     for p in precisions:
-        if p in out:
+        if p in out or p not in DEFAULT_COMPUTE_EFFICIENCY:  # mxfp8: fp8's rate
             continue
         wider = [q for q in reversed(PRECISION_NAMES[: PRECISION_NAMES.index(p)]) if q in out]
+        wider = [q for q in wider if q in DEFAULT_COMPUTE_EFFICIENCY]
         if wider:
             out[p] = (
                 DEFAULT_COMPUTE_EFFICIENCY[p] * out[wider[0]] / DEFAULT_COMPUTE_EFFICIENCY[wider[0]]

@@ -8,13 +8,26 @@ from collections.abc import Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
-from autoprec.precision import FORMAT_FACTS, Precision, mx_io_format
+from autoprec.precision import (
+    FORMAT_FACTS,
+    FP8_BLOCK_TILE,
+    NVFP4_BLOCK,
+    Precision,
+    block_io_format,
+)
 
 if TYPE_CHECKING:
     from autoprec.graph.table import LayerRow
     from autoprec.hardware.program_types import Cast
 
-__all__ = ["STORAGE_BYTES", "activation_ratio", "cast_traffic", "layer_memory"]
+__all__ = [
+    "BLOCK_CAST_BYTES",
+    "STORAGE_BYTES",
+    "activation_ratio",
+    "cast_traffic",
+    "layer_memory",
+    "saved_input_ratio",
+]
 
 #: Bytes one value of each format occupies (tf32 lives in a 32-bit container).
 STORAGE_BYTES: Mapping[str, int] = MappingProxyType(
@@ -22,17 +35,50 @@ STORAGE_BYTES: Mapping[str, int] = MappingProxyType(
 )
 
 
+#: Bytes per element of a block-scaled cast's result, its scales included, by the target name
+#: the step's program gives it (:mod:`autoprec.hardware.program`): fp8 block scaling's e4m3
+#: tiles with one fp32 scale per 1x128 tile or 128x128 block; NVFP4's packed E2M1 (half a
+#: byte) with one E4M3 scale byte per 16 elements (round to nearest, stochastic rounding, after
+#: the random Hadamard transform, or in 16x16 weight blocks: the same bytes; the one fp32
+#: scale per tensor is left out); ``amax``: a reduction pass that reads and writes nothing
+#: per element.
+BLOCK_CAST_BYTES: Mapping[str, float] = MappingProxyType(
+    {
+        "e4m3_1x128": 1 + 4 / FP8_BLOCK_TILE,
+        "e4m3_128x128": 1 + 4 / FP8_BLOCK_TILE**2,
+        **dict.fromkeys(
+            ("nvfp4", "nvfp4_sr", "nvfp4_rht", "nvfp4_rht_sr", "nvfp4_16x16"),
+            FORMAT_FACTS["fp4_e2m1"].storage_bytes + 1 / NVFP4_BLOCK,
+        ),
+        "amax": 0,
+    }
+)
+
+
 def activation_ratio(precision: Precision, region: str | None = None) -> float:
-    """Bytes per element of a layer's activations (its output, the input it saves for backward)
-    relative to fp32's 4: its format's for the 16-bit and wide precisions; for an 8-bit layer
-    (an fp8 recipe, mxfp8) the dtype around it, fp8 operands existing only inside its GEMMs:
-    torchao's ``Float8Linear`` writes and saves the region's format (``region``: bf16, fp16,
-    None for fp32), ``MXFP8Linear`` :func:`~autoprec.precision.mx_io_format`'s."""
+    """Bytes per element of a layer's activations (its output, and the input it saves for
+    backward unless :func:`saved_input_ratio` says otherwise) relative to fp32's 4: its
+    format's for the 16-bit and wide precisions; for a swapped layer (an fp8 recipe, a
+    block-scaled format) the dtype around it, low-precision operands existing only inside its
+    GEMMs: torchao's ``Float8Linear`` writes and saves the region's format (``region``: bf16,
+    fp16, None for fp32), the block-scaled layers :func:`~autoprec.precision.block_io_format`'s.
+    """
     if precision.is_fp8:
         return STORAGE_BYTES[region or "fp32"] / 4
-    if precision.is_mx:
-        return STORAGE_BYTES[mx_io_format(region)] / 4
+    if precision.is_block:
+        return STORAGE_BYTES[block_io_format(precision, region)] / 4
     return precision.bytes_ratio
+
+
+def saved_input_ratio(precision: Precision, region: str | None = None) -> float:
+    """Bytes per element of the input a layer saves for backward, relative to fp32's 4:
+    :func:`activation_ratio`'s, except for ``nvfp4``, which saves its input only quantised
+    (torchao's ``nvfp4_mm_triton`` keeps the columnwise, Hadamard-transformed E2M1 codes and
+    their E4M3 scales for the weight-gradient GEMM: "Saves only FP4 codes+scales for backward",
+    torchao/prototype/moe_training/nvfp4_training/nvfp4_linear.py, torchao 0.18)."""
+    if precision is Precision.NVFP4:
+        return BLOCK_CAST_BYTES["nvfp4_rht"] / 4
+    return activation_ratio(precision, region)
 
 
 def layer_memory(
@@ -42,22 +88,33 @@ def layer_memory(
     that depend on its precision (:meth:`CostModel.step`'s ``low_precision_weights`` and
     ``activations``; a copy only below fp32's width). ``scale`` multiplies the table's batch;
     ``activations`` is the saved input's bytes per element over fp32's (default: the
-    precision's format; :func:`activation_ratio`).
+    precision's format; :meth:`CostModel.step` passes :func:`saved_input_ratio`). The weight
+    copy kept for backward is the precision's format, except: ``fp8_block`` saves its bf16
+    weight (torchao's ``fp8_blockwise_mm`` recasts it in backward), ``nvfp4`` the 16x16-block
+    E2M1 codes of the transposed weight with their scales.
     """
-    ratio = precision.bytes_ratio
-    low = row.params * ratio * 4 if ratio < 1 else 0.0
-    saved = ratio if activations is None else activations
+    kept = {Precision.FP8_BLOCK: STORAGE_BYTES["bf16"], Precision.NVFP4: BLOCK_CAST_BYTES["nvfp4"]}
+    weight = kept[precision] / 4 if precision in kept else precision.bytes_ratio
+    low = row.params * weight * 4 if weight < 1 else 0.0
+    saved = precision.bytes_ratio if activations is None else activations
     return low, row.input_bytes * scale * saved + row.output_bytes * scale
 
 
 # torchao computes fp8 scales through fp64; MX block scales are one byte each (E8M0)
-_CAST_BYTES = {**STORAGE_BYTES, "fp64": 8, "e8m0": 1}
+_CAST_BYTES = {**STORAGE_BYTES, "fp64": 8, "e8m0": 1, **BLOCK_CAST_BYTES}
+# NVFP4 casts one kernel writes together from one read of the tensor (torchao's
+# triton_rht_quantize_row_col: the rowwise and the Hadamard-transformed columnwise codes;
+# triton_weight_quantize_2d: the weight's and its transpose's 16x16-block codes)
+_NVFP4_FUSED = frozenset({"nvfp4", "nvfp4_sr", "nvfp4_rht", "nvfp4_rht_sr", "nvfp4_16x16"})
 
 
 def cast_traffic(casts: Sequence[Cast], scale: float) -> Iterator[tuple[float, int]]:
     """``(bytes moved, kernels)`` of a program's casts: each reads its source and writes its
     target (one kernel); a cast to fp8 also reads its source once more for the amax.
-    Activations scale with ``scale`` (the batch over the table's), weights do not.
+    Activations scale with ``scale`` (the batch over the table's), weights do not. A
+    block-scaled cast (:data:`BLOCK_CAST_BYTES`) computes its block amaxes in the same kernel
+    and writes its scales with its elements; an ``amax`` pass only reads; the two NVFP4 layouts
+    of one tensor that torchao's kernels write together cost one read.
 
     A torchao fp8 cast (the program's chain: the scale through fp64, an upcast to fp32 of a
     16-bit source, the saturated cast) counts as ``torch.compile`` fuses it: two kernels that
@@ -83,12 +140,37 @@ def cast_traffic(casts: Sequence[Cast], scale: float) -> Iterator[tuple[float, i
             yield numel * (2 * _CAST_BYTES[c.source] + _CAST_BYTES[after.target]), 2
             i += 2
             continue
+        if _fused_nvfp4(c, after):  # two NVFP4 layouts of one tensor from one read
+            yield numel * (_CAST_BYTES[c.source] + 2 * _CAST_BYTES[c.target]), 1
+            i += 2
+            continue
         nbytes = numel * (_CAST_BYTES[c.source] + _CAST_BYTES[c.target])
         if c.target.startswith("fp8"):
             yield nbytes + numel * _CAST_BYTES[c.source], 2
         else:
             yield nbytes, 1
         i += 1
+
+
+def _same_tensor(cast: Cast, after: Cast) -> bool:
+    return (after.phase, after.layer, after.source, after.numel, after.weight) == (
+        cast.phase,
+        cast.layer,
+        cast.source,
+        cast.numel,
+        cast.weight,
+    )
+
+
+def _fused_nvfp4(cast: Cast, after: Cast | None) -> bool:
+    """Whether ``cast`` and ``after`` are the two NVFP4 layouts one kernel writes of one tensor
+    (see ``_NVFP4_FUSED``)."""
+    return (
+        after is not None
+        and cast.target in _NVFP4_FUSED
+        and after.target in _NVFP4_FUSED
+        and _same_tensor(cast, after)
+    )
 
 
 def _upcast_to_fp8(cast: Cast, after: Cast | None) -> bool:

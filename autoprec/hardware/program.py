@@ -31,9 +31,11 @@ explicit cast (a residual add of a bf16 and an fp32 branch), autograd casts its 
 each matrix operation has its backward matrix operations (``convolution_backward`` for a
 convolution; one ``mm``/``bmm`` per argument that needs a gradient for a GEMM; torchao's fp8
 layer: two ``_scaled_mm`` and four fp8 casts: the output gradient to e5m2 twice, the weight
-and the input to e4m3 again). Every fp8 cast is torchao's: the scale from the amax through
-fp64 (two scalar casts), a 16-bit tensor upcast to fp32 for the scaling, then the cast; its
-weight gradient leaves the GEMM in the layer's output dtype and is cast to fp32.
+and the input to e4m3 again; a block-scaled layer, ``mxfp8``, ``fp8_block`` or ``nvfp4``:
+its backend's casts and GEMMs, :mod:`autoprec.hardware.program_blocks`). Every fp8 cast is
+torchao's: the scale from the amax through fp64 (two scalar casts), a 16-bit tensor upcast to
+fp32 for the scaling, then the cast; its weight gradient leaves the GEMM in the layer's output
+dtype and is cast to fp32.
 
 Torch-free (plain data), so that a cached layer table can be costed without torch.
 """
@@ -44,8 +46,9 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from autoprec.hardware.program_blocks import block_linear
 from autoprec.hardware.program_types import Cast, Flow, FlowOp, FlowTensor, Matmul, Program
-from autoprec.precision import GEMM_OPERANDS, MX_BLOCK, Precision, mx_io_format, parse_precision
+from autoprec.precision import GEMM_OPERANDS, Precision, parse_precision
 
 __all__ = [
     "CUDA_FP32_OPS",
@@ -226,16 +229,17 @@ class _Replay:
         """Cast a matrix operation's arguments as the runtime does; record it and its
         backward; return its result's dtype."""
         layer = op.layer
+        precision = self.policy.get(layer, Precision.FP32)
+        if layer and precision.is_block:  # mxfp8, fp8_block, nvfp4: their backends' kernels
+            return block_linear(self, op, args, precision)
         if layer:
-            compute = _compute(self.policy.get(layer, Precision.FP32))
+            compute = _compute(precision)
         elif self.region:
             compute = self.region  # autocast's lower-precision list
         else:
             compute = _promote([self.dtype[a] for a in args])
         if compute == "fp8":
             return self.float8(op, args)
-        if compute == "mxfp8":
-            return self.mx(op, args)
         for a in args:
             if self.dtype[a] != compute:
                 self.cast(a, compute, layer)
@@ -298,41 +302,6 @@ class _Replay:
             if out != "fp32":
                 self.cast(a, out, layer, cache=False)
         return out
-
-    def mx(self, op: FlowOp, args: list[int]) -> str:
-        """torchao's MXFP8Linear as the runtime runs it: its input and weight in
-        :func:`~autoprec.precision.mx_io_format`'s dtype (in a bf16 region: the fp32 weight
-        cast each step, its gradient cast back; fp32 elsewhere), each operand of each GEMM cast
-        to e4m3 blocks with their E8M0 scales (one per 32 elements; torchao's ``to_mx``
-        computes in fp32, upcasting a bf16 operand and its block amaxes), three MX GEMMs, the output
-        (and the bias added to it) in that dtype."""
-        layer = op.layer
-        io = mx_io_format(self.region)
-        weights = [a for a in args if self.is_weight(a) and self.tensors[self.root(a)].dim == 2]
-        bias = [a for a in args if self.is_weight(a) and a not in weights]
-        acts = [a for a in args if not self.is_weight(a)]
-        for a in acts:
-            if self.dtype[a] != io:
-                self.cast(a, io, layer)
-                self.dtype[a] = io
-        for a in weights + bias:
-            if self.dtype[a] != io:
-                self.cast(a, io, layer, cache=False)
-        grad_numel = self.tensors[op.outs[0]].numel if op.outs else 0
-        numel = {"input": [self.tensors[a].numel for a in acts], "grad_output": [grad_numel]}
-        numel["weight"] = [self.tensors[self.root(w)].numel for w in weights]
-        for phase, gemms in (("forward", ("output",)), ("backward", ("grad_input", "grad_weight"))):
-            for gemm in gemms:
-                for role in GEMM_OPERANDS[gemm]:
-                    for n in numel[role]:
-                        weight, scales = role == "weight", max(1, n // MX_BLOCK)
-                        if io != "fp32":  # torchao's to_mx upcasts the block amaxes and data
-                            self.casts.append(Cast(phase, layer, io, "fp32", scales, weight))
-                            self.casts.append(Cast(phase, layer, io, "fp32", n, weight))
-                        self.casts.append(Cast(phase, layer, "fp32", "fp8_e4m3", n, weight))
-                        self.casts.append(Cast(phase, layer, "fp32", "e8m0", scales, weight))
-                self.matmuls.append(Matmul(phase, layer, "_scaled_mm", "mxfp8"))
-        return io
 
     def _fp8_cast(
         self,

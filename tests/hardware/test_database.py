@@ -171,21 +171,35 @@ def test_detect_matches_the_reported_gpu_name(monkeypatch):
         assert detect().name == "h100-sxm"
 
 
-def test_detect_unknown_gpu_warns_and_builds_a_generic_entry(monkeypatch):
-    props = types.SimpleNamespace(total_memory=48 * 10**9, major=8, minor=6)
+def _detect_unknown_gpu(monkeypatch, name: str, major: int, minor: int):
+    """detect() on a CUDA GPU the database lacks, of this compute capability (it warns)."""
+    props = types.SimpleNamespace(total_memory=48 * 10**9, major=major, minor=minor)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA RTX A6000")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: props)
     monkeypatch.setattr(torch.version, "hip", None)
     with pytest.warns(UserWarning, match="not in autoprec's device database"):
-        spec = detect()
+        return detect()
+
+
+def test_detect_unknown_gpu_warns_and_builds_a_generic_entry(monkeypatch):
+    spec = _detect_unknown_gpu(monkeypatch, "NVIDIA RTX A6000", 8, 6)
     assert spec.name == "unknown-gpu" and spec.full_name == "NVIDIA RTX A6000"
     assert spec.memory_gb == pytest.approx(48.0)
     assert spec.supported_precisions == ("fp32", "tf32", "bf16", "fp16")
     assert math.isnan(spec.memory_bandwidth_gbs) and dict(spec.peak_tflops) == {}
     with pytest.raises(ValueError, match="no published dense rate"):
         spec.peak_flops("bf16")
+
+
+@pytest.mark.parametrize(("major", "blackwell"), [(9, False), (10, True), (12, True)])
+def test_an_unknown_gpu_derives_block_formats_from_its_capability(monkeypatch, major, blackwell):
+    """Blackwell (10.0 on) reads MX block scales and has FP4 tensor cores: mxfp8 and nvfp4;
+    block-scaled fp8 is an fp8 GEMM (8.9 on)."""
+    spec = _detect_unknown_gpu(monkeypatch, "NVIDIA Future GPU", major, 0)
+    assert spec.supports("nvfp4") is blackwell and spec.supports("mxfp8") is blackwell
+    assert spec.supports("fp8_block")
 
 
 def _entry(**changes):

@@ -49,6 +49,23 @@ def test_list_show_detect(capsys):
     assert capsys.readouterr().out.startswith("cpu:")
 
 
+def test_show_b200_lists_nvfp4_and_fp8_block_among_the_per_layer_choices(capsys):
+    """`autoprec hardware show b200`: NVFP4 is a tensor-core format with its datasheet rate,
+    and a Linear may take it or block-scaled fp8 (the backend named, not a refusal); an H100
+    refuses NVFP4 for want of FP4 tensor cores."""
+    assert main(["hardware", "show", "b200"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert "nvfp4" in doc["supported_precisions"] and doc["peak_tflops"]["nvfp4"] == 9000
+    assert "FP4 Tensor Core" in doc["sources"]["peak_tflops.nvfp4"]
+    linear = doc["runnable"]["linear"]
+    assert {"nvfp4", "fp8_block", "mxfp8"} <= set(linear)
+    assert not linear["nvfp4"].startswith("no:") and not linear["fp8_block"].startswith("no:")
+    assert main(["hardware", "show", "h100-sxm"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert "nvfp4" not in doc["supported_precisions"]
+    assert doc["runnable"]["linear"]["nvfp4"].startswith("no:")
+
+
 def load_model_resnet50():
     from autoprec.models import load_model
 
