@@ -33,13 +33,11 @@ def list_cmd(as_json: bool) -> None:
         click.echo(json.dumps([_summary(d) for d in devices], indent=2))
         return
     table = Table(title="Accelerators (dense peak TFLOP/s; bandwidth GB/s; memory GB)")
-    for col in ("name", "vendor", "fp32", "tf32", "bf16", "fp16", "fp8", "GB/s", "GB", "low/wide"):
+    formats = ("fp32", "tf32", "bf16", "fp16", "fp8", "nvfp4")
+    for col in ("name", "vendor", *formats, "GB/s", "GB", "low/wide"):
         table.add_column(col, justify="left" if col in ("name", "vendor", "low/wide") else "right")
     for d in devices:
-        rates = [
-            f"{d.peak_tflops[p]:g}" if p in d.peak_tflops else "-"
-            for p in ("fp32", "tf32", "bf16", "fp16", "fp8")
-        ]
+        rates = [f"{d.peak_tflops[p]:g}" if p in d.peak_tflops else "-" for p in formats]
         table.add_row(
             d.name,
             d.vendor,

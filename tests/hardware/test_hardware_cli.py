@@ -64,6 +64,9 @@ def test_show_b200_lists_nvfp4_and_fp8_block_among_the_per_layer_choices(capsys)
     doc = json.loads(capsys.readouterr().out)
     assert "nvfp4" not in doc["supported_precisions"]
     assert doc["runnable"]["linear"]["nvfp4"].startswith("no:")
+    assert main(["hardware", "list"]) == 0
+    (b200,) = [line for line in capsys.readouterr().out.splitlines() if " b200 " in line]
+    assert "9000" in b200  # the nvfp4 column
 
 
 def load_model_resnet50():
