@@ -12,6 +12,9 @@ training recipe computes the scales in another order and adds three parts, each 
   dequantises as ``element * (scale * amax * fp32(1 / 2688))`` (TE's ``dequantize_fp4_kernel``)
   and a GEMM of two operands is scaled by ``amax_a * amax_b * fp32(1 / (6 * 6 * 448 * 448))``
   after the fp32 accumulation (TE's ``compute_nvfp4_per_tensor_scale_kernel``): :func:`nvfp4_mm`.
+  torchao's Triton NVFP4 training kernels (``nvfp4_training/quantize_2d_triton.py``) use the
+  same formula but clamp a block scale to at least E4M3's smallest normal (2**-6) first; TE
+  keeps subnormal and zero scales, and so does this module.
 - **2-D weight blocks**: one scale per 16x16 tile (``two_d=True``), so that ``W`` and ``W^T``
   quantise to the same values and the weight enters forward and input-gradient GEMMs alike.
 - **Stochastic rounding** of the elements (``stochastic=True``, TE's ``cvt.rs``): a value
@@ -87,14 +90,19 @@ class NVFP4Blocks:
 
     def scaled(self) -> Tensor:
         """Elements times their block scale, in float32 (exact: 2 by 4 significant bits)."""
-        return self.elements * self.scales.repeat_interleave(NVFP4_BLOCK_SIZE, -1)
+        return self._times(self.scales)
+
+    def _times(self, block_values: Tensor) -> Tensor:
+        rows, cols = self.elements.shape
+        blocks = self.elements.reshape(rows, cols // NVFP4_BLOCK_SIZE, NVFP4_BLOCK_SIZE)
+        return (blocks * block_values.unsqueeze(-1)).reshape(rows, cols)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """The values, as TE dequantises: ``element * (scale * amax * fp32(1/2688))``."""
         fp4_max, e4m3_max = _limits()
         factor = torch.tensor(1.0 / (fp4_max * e4m3_max), dtype=torch.float32)
         final = (self.scales * self.amax) * factor.to(self.amax.device)
-        return (self.elements * final.repeat_interleave(NVFP4_BLOCK_SIZE, -1)).to(dtype)
+        return self._times(final).to(dtype)
 
 
 def _check_2d(x: Tensor, what: str) -> None:
@@ -134,14 +142,15 @@ def nvfp4_te_quantize(
         )
     fp4_max, e4m3_max = _limits()
     x32 = x.float()
-    amax = torch.max(torch.abs(x32)) if x32.numel() else torch.zeros((), device=x.device)
+    magnitude = torch.abs(x32)
+    amax = torch.max(magnitude) if x32.numel() else torch.zeros((), device=x.device)
     # a tensor quotient: ``scalar / tensor`` is ``reciprocal(tensor) * scalar`` in torch, which
     # rounds twice; TE divides once (torch.div in its reference, IEEE division in CUDA)
     encode = torch.clamp_max(torch.div(amax.new_tensor(e4m3_max * fp4_max), amax), _F32_MAX)
     encode = torch.where((amax == 0) | (encode == 0), 1.0, encode)
     decode = 1.0 / encode
     blocks = x32.reshape(rows, cols // block, block)
-    block_amax = torch.amax(torch.abs(blocks), -1)
+    block_amax = torch.amax(magnitude.reshape(rows, cols // block, block), -1)
     if two_d:
         tiles = block_amax.reshape(rows // block, block, cols // block)
         block_amax = torch.amax(tiles, 1).repeat_interleave(block, 0)
