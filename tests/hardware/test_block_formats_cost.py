@@ -52,6 +52,8 @@ def test_blackwell_runs_nvfp4_and_hopper_does_not():
     assert b200.peak_tflops["nvfp4"] == 2 * b200.peak_tflops["fp8"]  # the datasheet's FP4 row
     assert "FP4 Tensor Core" in b200.sources["peak_tflops.nvfp4"]
     assert not h100.supports("nvfp4")
+    gb200 = get_device("NVIDIA GB200")  # the NVL72 table's per-GPU column
+    assert gb200.peak_tflops["nvfp4"] == 10000 and gb200.supports("mxfp8")
     assert b200.supports("fp8_block") and h100.supports("fp8_block")  # an fp8 GEMM
 
 
