@@ -22,7 +22,14 @@ expert group, the casts a Linear at the same precision gets:
 - mxfp8: torchao's ``_MXFP8GroupedMM`` (:func:`~autoprec.kernels.mx_linear` per expert, e4m3
   blocks of 32 along each GEMM's reduction dimension, RCEIL scales); each expert's tokens are
   padded with zero rows to a multiple of 32, as torchao pads token groups, which leaves every
-  block's amax as it was.
+  block's amax as it was;
+- fp8_block: torchao's ``_Float8BlockwiseGroupedMM`` (:func:`~autoprec.kernels.block_fp8_linear`
+  per expert: activations and gradients in 1x128 tiles, each expert's weight in 128x128
+  blocks, the weight gradient's operands tiled along the tokens), each expert's tokens padded to
+  a multiple of 128 as torchao pads them, so that no tile spans two experts; operands in bf16.
+- nvfp4 is refused: torchao's NVFP4 grouped GEMM is a forward-only emulation without autograd,
+  and how Transformer Engine splits its per-tensor amax, stochastic rounding and Hadamard
+  transform over experts is not reproduced here.
 
 The products of the (dequantised) operands are summed in fp32, as the CPU's ``_grouped_mm``
 sums each group (``x[e] @ weight[e].T``). Elementwise work between the GEMMs (the SiLU and the
@@ -39,9 +46,9 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from autoprec.hardware.runnability import NotRunnableError
-from autoprec.kernels import fake_quantize, get_format, mx_linear, quantize
+from autoprec.kernels import block_fp8_linear, fake_quantize, get_format, mx_linear, quantize
 from autoprec.layers import expert_weights
-from autoprec.precision import MX_BLOCK, Precision, mx_io_format
+from autoprec.precision import MX_BLOCK, Precision, block_io_format
 from autoprec.runtime.float8_emulate import RecipeCasts
 
 __all__ = [
@@ -53,7 +60,7 @@ __all__ = [
 ]
 
 _STORED = {Precision.BF16: "bf16", Precision.FP16: "fp16"}
-_EMULATED = (Precision.TF32, Precision.BF16, Precision.FP16, Precision.MXFP8)
+_EMULATED = (Precision.TF32, Precision.BF16, Precision.FP16, Precision.MXFP8, Precision.FP8_BLOCK)
 
 
 @dataclass
@@ -156,14 +163,23 @@ class _GroupedMatmul(torch.autograd.Function):
         return grad_x, grad_w, None, None
 
 
-def _mx_grouped(x: Tensor, weight: Tensor, counts: list[int], region: str | None) -> Tensor:
-    io = get_format(mx_io_format(region)).torch_dtype
+def _block_grouped(
+    x: Tensor, weight: Tensor, counts: list[int], precision: Precision, region: str | None
+) -> Tensor:
+    """mxfp8 (:func:`~autoprec.kernels.mx_linear`) or fp8_block
+    (:func:`~autoprec.kernels.block_fp8_linear`) per expert, each expert's tokens padded with
+    zero rows to a multiple of the block, as torchao pads token groups; operands in
+    :func:`~autoprec.precision.block_io_format`'s dtype, as the Linears' emulations read them."""
+    io = get_format(block_io_format(precision, region)).torch_dtype
     dtype = weight.dtype if io == torch.float32 else io
+    block = precision.block_size or 1
     outs = []
     for g, s, e in _bounds(counts):
-        pad = -(e - s) % MX_BLOCK  # torchao pads each token group to a multiple of 32
-        xg = F.pad(x[s:e].to(dtype), (0, 0, 0, pad))
-        out = mx_linear(xg, weight[g].to(dtype), elem="fp8_e4m3", block_size=MX_BLOCK)
+        xg = F.pad(x[s:e].to(dtype), (0, 0, 0, -(e - s) % block))
+        if precision.is_mx:
+            out = mx_linear(xg, weight[g].to(dtype), elem="fp8_e4m3", block_size=MX_BLOCK)
+        else:
+            out = block_fp8_linear(xg, weight[g].to(dtype))
         outs.append(out[: e - s])
     if not outs:
         return x.new_zeros((0, weight.shape[1]))
@@ -174,8 +190,8 @@ def grouped_gemm(x: Tensor, weight: Tensor, counts: Sequence[int], casts: Groupe
     """``x`` (tokens sorted by expert, K) times ``weight[e].T`` (``weight``: (E, N, K)) for each
     expert's ``counts[e]`` rows, at ``casts``' precision (see the module docstring)."""
     counts = [int(c) for c in counts]
-    if casts.precision.is_mx:
-        return _mx_grouped(x, weight, counts, casts.output_format)
+    if casts.precision.is_block:
+        return _block_grouped(x, weight, counts, casts.precision, casts.output_format)
     return _GroupedMatmul.apply(x, weight, counts, casts)
 
 
@@ -199,7 +215,7 @@ class EmulatedExperts(nn.Module):
         for name in self.names:
             setattr(self, name, getattr(module, name))
         self.act = getattr(module, "act_fn", F.silu)
-        stored = region if precision.is_fp8 or precision.is_mx else None
+        stored = region if precision.swapped else None
         self.casts = GroupedCasts(precision, count, stored)
 
     def _swiglu(self, x: Tensor, counts: Sequence[int]) -> Tensor:
@@ -242,7 +258,7 @@ def emulation_refusal(name: str, precision: Precision) -> str | None:
         return None
     return (
         f"layer {name!r} is fused experts at {precision.value}, which autoprec does not emulate "
-        "for grouped GEMMs yet; choose fp8_rowwise, mxfp8 or a 16-bit precision for it"
+        "for grouped GEMMs yet; choose fp8_rowwise, fp8_block, mxfp8 or a 16-bit precision"
     )
 
 
@@ -252,11 +268,17 @@ def native_refusal(name: str, precision: Precision, target: str) -> str | None:
     the native runtime); 16-bit and tf32 run under the policy's autocast region and switches."""
     if not precision.swapped:
         return None
+    if precision is Precision.NVFP4:
+        return (
+            f"layer {name!r} is fused experts at nvfp4: no backend autoprec drives trains "
+            "grouped GEMMs in NVFP4 (torchao's NVFP4 grouped GEMM has no backward yet); use "
+            "mode='emulate' with another precision for it, or bf16"
+        )
     return (
         f"layer {name!r} is fused experts at {precision.value}: its grouped GEMMs run natively "
-        f"in torchao.prototype.moe_training (MoETrainingConfig, fp8 rowwise and MXFP8 on "
-        f"CUDA), which autoprec's native runtime does not drive on {target}; use "
-        "mode='emulate' or a 16-bit precision for it"
+        "in torchao.prototype.moe_training (MoETrainingConfig: fp8 rowwise, fp8 blockwise and "
+        f"MXFP8 grouped GEMMs on CUDA), which autoprec's native runtime does not drive on "
+        f"{target}; use mode='emulate' or a 16-bit precision for it"
     )
 
 

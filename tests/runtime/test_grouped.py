@@ -5,7 +5,9 @@ CPU); for fp8 rowwise, torchao's fp8 grouped GEMM (``_Float8GroupedMM``) needs C
 kernels), so the reference is built from torchao's own torch quantisers (``tensor_to_scale``,
 ``torch_to_float8_per_group_colwise``, ``torch_to_3d_rowwise_float8_transpose_rhs``, the ones
 its kernels are tested against) cast the way ``_Float8GroupedMM`` casts each GEMM's operands;
-for tensorwise fp8, a torchao-exact emulated ``Float8Linear`` per expert; for bf16, fp16 and
+for tensorwise fp8, a torchao-exact emulated ``Float8Linear`` per expert; for fp8_block (torchao's
+blockwise grouped GEMM is Triton only), ``block_fp8_linear`` per expert on token groups padded as
+torchao pads them; for bf16, fp16 and
 tf32, each expert's matmul on operands rounded by autoprec's kernels (themselves tested
 against torch's casts).
 """
@@ -167,6 +169,30 @@ def test_mxfp8_pads_each_experts_tokens_to_its_blocks():
     assert torch.equal(out[:20], ref.detach()) and torch.equal(ws.grad[0], w0.grad)
 
 
+def test_fp8_block_is_torchaos_blockwise_grouped_casts_per_expert():
+    # torchao's _Float8BlockwiseGroupedMM quantises with Triton kernels (CUDA only); its casts
+    # are Float8BlockwiseLinear's per expert on token groups padded to 128, which is
+    # block_fp8_linear (tested against torchao's quantisers) on each padded group
+    from autoprec.kernels import block_fp8_linear
+
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(sum(COUNTS), 128, generator=gen).bfloat16()
+    w = (torch.randn(E, 256, 128, generator=gen) / 8).bfloat16()
+    g = torch.randn(sum(COUNTS), 256, generator=gen).bfloat16()
+    out, gx, gw = _run("fp8_block", x, w, g, "bf16")
+    for e, rows in _groups():
+        if not COUNTS[e]:
+            assert torch.equal(gw[e], torch.zeros(256, 128, dtype=torch.bfloat16))
+            continue
+        pad = torch.zeros(128 - COUNTS[e], 128, dtype=torch.bfloat16)
+        xe = torch.cat([x[rows], pad]).requires_grad_()
+        we = w[e].clone().requires_grad_()
+        ref = block_fp8_linear(xe, we)[: COUNTS[e]]
+        ref.backward(g[rows])
+        assert torch.equal(out[rows], ref.detach())
+        assert torch.equal(gx[rows], xe.grad[: COUNTS[e]]) and torch.equal(gw[e], we.grad)
+
+
 def _mixtral_experts():
     transformers = pytest.importorskip("transformers")
     config = transformers.MixtralConfig(
@@ -237,4 +263,6 @@ def test_what_cannot_run_is_refused_in_one_line():
     assert "this CPU" in message and "mode='emulate'" in message
     with pytest.raises(NotRunnableError, match="does not emulate for grouped GEMMs yet"):
         apply_policy(spec.module, {"layers.0.moe.experts": "nvfp4"}, mode="emulate")
+    with pytest.raises(NotRunnableError, match="no backend autoprec drives trains grouped"):
+        apply_policy(spec.module, {"layers.0.moe.experts": "nvfp4"}, mode="native")
     assert isinstance(spec.module.layers["0"].moe.experts, GroupedExperts)  # nothing left on
