@@ -13,7 +13,8 @@ its ``top_k`` experts, and their scores are renormalised to sum to one (torchtit
 ``route_norm``, Mixtral's rule). The tokens are sorted by expert, the experts run as three
 grouped GEMMs (:func:`expert_gemm`: ``torch._grouped_mm``, as torchtitan's ``GroupedExperts``
 with ``use_grouped_mm``), each routed output is scaled by its score and the outputs are summed
-back per token, plus the shared expert's. There is no load balancing: torchtitan's auxiliary-loss
+back per token (in token order, not by atomic adds: deterministic on CUDA too), plus the
+shared expert's. There is no load balancing: torchtitan's auxiliary-loss
 free balancing moves an expert bias once per optimizer step from outside the model, which the
 trainer has no hook for, and an auxiliary loss would change the task's loss.
 
@@ -160,7 +161,11 @@ class MoE(nn.Module):
         counts = torch.bincount(chosen, minlength=self.n_experts)
         routed = self.experts(flat[token], counts)
         weighted = (routed.float() * scores.reshape(-1)[order, None]).to(routed.dtype)
-        out = torch.zeros_like(flat, dtype=weighted.dtype).index_add(0, token, weighted)
+        # back in token order, then each token's top_k outputs summed: no atomic adds (CUDA's
+        # index_add and scatter_add are), so a seed's run repeats on the GPU too
+        unsorted = torch.empty_like(weighted)
+        unsorted[order] = weighted
+        out = unsorted.view(flat.shape[0], experts.shape[-1], -1).sum(dim=1)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         return out.reshape(x.shape).type_as(x)
