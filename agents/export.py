@@ -58,7 +58,8 @@ def export_policy(
     provenance: Mapping[str, str],
     note: str | None = None,
 ) -> PrecisionPolicy:
-    """``policy`` ready to save for production training.
+    """``policy`` ready to save for production training, stating per layer the backend and
+    recipe to run it with (the file's ``run_with`` section).
 
     Args:
         policy: the evaluated policy (its layers and loss scaling).
@@ -76,6 +77,7 @@ def export_policy(
     module = getattr(spec_module, "module", spec_module)
     name = getattr(spec_module, "name", None)
     return policy.replace(
+        state_backends=True,
         model=ModelInfo(
             name=name if isinstance(name, str) else None,
             fingerprint=model_fingerprint(module),

@@ -312,6 +312,12 @@ class Precision(str, Enum):
         """Rank from narrowest (0) to widest; wider formats are safer and slower."""
         return _ORDER.index(self)
 
+    @property
+    def run_with(self) -> tuple[str, str]:
+        """``(backend, recipe)`` production training runs this precision with, as an exported
+        policy file states it per layer (``("transformer_engine", "NVFP4BlockScaling")``)."""
+        return RUN_WITH[self]
+
     def wider(self) -> Precision | None:
         """The next wider format (any fp8 recipe, fp8_block or mxfp8 -> fp16 -> bf16 -> tf32 ->
         fp32; nvfp4 -> bf16), None for fp32.
@@ -385,6 +391,23 @@ FLOAT8_RECIPES: Mapping[Precision, Float8Recipe] = MappingProxyType(
     }
 )
 
+
+#: What production training runs each precision with: ``(backend, recipe or module)``. The
+#: runnability table (:mod:`autoprec.hardware.runnability`) says on which targets and shapes.
+RUN_WITH: Mapping[Precision, tuple[str, str]] = MappingProxyType(
+    {
+        Precision.FP32: ("torch", "fp32 (TF32 off)"),
+        Precision.TF32: ("torch", "tf32 (fp32_precision tf32)"),
+        Precision.BF16: ("torch.autocast", "bf16"),
+        Precision.FP16: ("torch.autocast", "fp16 (with loss scaling)"),
+        Precision.FP8: ("torchao", "Float8LinearConfig tensorwise"),
+        Precision.FP8_ROWWISE: ("torchao", "Float8LinearConfig rowwise"),
+        Precision.FP8_ROWWISE_GW_HP: ("torchao", "Float8LinearConfig rowwise_with_gw_hp"),
+        Precision.MXFP8: ("torchao", "MXFP8Linear (RCEIL scales)"),
+        Precision.FP8_BLOCK: ("torchao", "Float8BlockwiseLinear"),
+        Precision.NVFP4: ("transformer_engine", "NVFP4BlockScaling"),
+    }
+)
 
 #: torchao's float8 training recipes (:data:`FLOAT8_RECIPES`), by precision name.
 FP8_NAMES = tuple(p.value for p in FLOAT8_RECIPES)

@@ -50,8 +50,8 @@ low-precision compute.)
 - In ``emulate`` mode both run on ``nn.Linear`` layers with the same shape rules as their
   backends (the kernels refuse other shapes, as the backends do): K and N multiples of 16
   (nvfp4) or 128 (fp8_block); the tokens a layer sees must be too (the kernels say so).
-- :func:`run_with` names, for every precision, the backend and recipe production training
-  runs it with (the exported policy file states it per layer).
+- :attr:`~autoprec.precision.Precision.run_with` names, for every precision, the backend and
+  recipe production training runs it with (the exported policy file states it per layer).
 
 This module imports neither torch nor torchao (``importlib.util.find_spec`` looks torchao up),
 so that masks and costs of a cached layer table need no torch.
@@ -91,7 +91,6 @@ __all__ = [
     "layer_kind",
     "runnability",
     "refuse",
-    "run_with",
     "runnable_precisions",
     "shapes_of",
     "unrunnable",
@@ -267,27 +266,6 @@ def _block(p: Precision, kind: str, features: tuple[int, int] | None) -> Verdict
     if backend is not Backend.TE and not float8_available():
         return Verdict(p, None, 'torchao is not installed (pip install "autoprec[fp8]")')
     return Verdict(p, backend)
-
-
-#: What production training runs each precision with: (backend, recipe or module).
-_RUN_WITH = {
-    Precision.FP32: ("torch", "fp32 (TF32 off)"),
-    Precision.TF32: ("torch", "TF32 (torch.backends fp32_precision tf32)"),
-    Precision.BF16: ("torch.autocast", "bf16"),
-    Precision.FP16: ("torch.autocast", "fp16 (with loss scaling)"),
-    Precision.FP8: ("torchao", "Float8LinearConfig tensorwise"),
-    Precision.FP8_ROWWISE: ("torchao", "Float8LinearConfig rowwise"),
-    Precision.FP8_ROWWISE_GW_HP: ("torchao", "Float8LinearConfig rowwise_with_gw_hp"),
-    Precision.MXFP8: ("torchao", "MXFP8Linear (RCEIL scales)"),
-    Precision.FP8_BLOCK: ("torchao", "Float8BlockwiseLinear"),
-    Precision.NVFP4: ("transformer_engine", "NVFP4BlockScaling"),
-}
-
-
-def run_with(precision: str | Precision) -> tuple[str, str]:
-    """``(backend, recipe)`` production training runs ``precision`` with, as the exported
-    policy file states it per layer (``("transformer_engine", "NVFP4BlockScaling")``)."""
-    return _RUN_WITH[parse_precision(precision)]
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ TOP_LEVEL_KEYS = (
     "metrics",
     "provenance",
     "verification",
+    "run_with",
 )
 LOSS_SCALING_KINDS = ("dynamic", "static", "none")
 TARGET_MODES = ("auto", "emulate", "native")
@@ -258,7 +259,31 @@ def check_document(data: object) -> dict[str, Any]:
             f"missing required key 'default'; add e.g. 'default: fp32' (one of "
             f"{', '.join(PRECISION_NAMES)})"
         )
-    return {k: v for k, v in data.items() if k != "autoprec_policy"}
+    fields = {k: v for k, v in data.items() if k not in ("autoprec_policy", "run_with")}
+    if "run_with" in data:  # derived from the precisions on every save: its presence is read
+        if not isinstance(data["run_with"], Mapping):
+            raise PolicyError(
+                "run_with must be a mapping (each layer's backend and recipe, which autoprec "
+                f"writes from the precisions); got {kind(data['run_with'])}; delete the section "
+                "to drop it",
+                field=("run_with",),
+            )
+        fields["state_backends"] = True
+    return fields
+
+
+def run_with_section(default: Precision, layers: Mapping[str, Precision]) -> dict[str, Any]:
+    """The ``run_with`` section: the backend and recipe production training runs the default
+    and each entry of ``layers`` with (:attr:`~autoprec.precision.Precision.run_with`)."""
+
+    def entry(p: Precision) -> dict[str, str]:
+        backend, recipe = p.run_with
+        return {"backend": backend, "recipe": recipe}
+
+    out: dict[str, Any] = {"default": entry(default)}
+    if layers:
+        out["layers"] = {k: entry(p) for k, p in layers.items()}
+    return out
 
 
 def check_layers(

@@ -14,6 +14,17 @@ provenance: {agent: ppo, created: "..."}
 verification: {verdict: within, loss_delta: 0.001, arms: {...}, ...}  # autoprec verify
 ```
 
+An exported policy also states what to run each layer with, after ``layers`` (written from the
+precisions on every save; a file's own section is read as "state them"):
+
+```yaml
+run_with:
+  default: {backend: torch.autocast, recipe: bf16}
+  layers:
+    conv1: {backend: torch, recipe: fp32 (TF32 off)}
+    "re:.*downsample.*": {backend: torch.autocast, recipe: bf16}
+```
+
 The ``verification`` section is written as a block, one line per arm
 (:mod:`autoprec.policy.verification`).
 
@@ -95,6 +106,14 @@ def format_policy(policy: PrecisionPolicy, fmt: str = "yaml") -> str:
             data[key] = {
                 _Quoted(k) if k.startswith(PATTERN_PREFIX) else k: v for k, v in value.items()
             }
+        elif key == "run_with":  # one line per layer
+            layers = {
+                _Quoted(k) if k.startswith(PATTERN_PREFIX) else k: _Flow(v)
+                for k, v in value.get("layers", {}).items()
+            }
+            data[key] = {"default": _Flow(value["default"])}
+            if layers:
+                data[key]["layers"] = layers
         elif key == "verification":
             arms = {name: _Flow(stats) for name, stats in value["arms"].items()}
             data[key] = {**value, "arms": arms, "seeds": _FlowList(value["seeds"])}

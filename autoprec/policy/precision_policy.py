@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from autoprec._text import excerpt
+from autoprec._values import kind
 from autoprec.policy.fields import (
     PATTERN_PREFIX,
     SCHEMA_VERSIONS,
@@ -39,6 +40,7 @@ from autoprec.policy.fields import (
     check_precision,
     check_provenance,
     check_section,
+    run_with_section,
     suggest,
     supported_precisions,
 )
@@ -173,6 +175,9 @@ class PrecisionPolicy:
         metrics: measured outcomes, e.g. ``{"speedup": 2.1}``.
         provenance: who made it and how, e.g. ``{"agent": "ppo"}``.
         verification: what ``autoprec verify`` measured (:class:`VerificationInfo`), or None.
+        state_backends: write the ``run_with`` section: the backend and recipe to run the
+            default and each layer with, derived from their precisions on every save (an
+            exported policy states them; a file that has the section reads back True).
     """
 
     default: Precision = Precision.FP32
@@ -183,6 +188,7 @@ class PrecisionPolicy:
     metrics: Mapping[str, float] = field(default_factory=_FrozenMap)
     provenance: Mapping[str, str | int | float] = field(default_factory=_FrozenMap)
     verification: VerificationInfo | None = None
+    state_backends: bool = False
 
     def __post_init__(self) -> None:
         put = object.__setattr__
@@ -205,6 +211,8 @@ class PrecisionPolicy:
             _FrozenMap(check_mapping(self.provenance, "provenance", check_provenance)),
         )
         put(self, "verification", check_verification(self.verification))
+        if not isinstance(self.state_backends, bool):
+            raise TypeError(f"state_backends must be a bool, got {kind(self.state_backends)}")
 
     @classmethod
     def uniform(cls, precision: Precision | str, **kwargs: Any) -> PrecisionPolicy:
@@ -324,6 +332,8 @@ class PrecisionPolicy:
         out["default"] = self.default.value
         if self.layers:
             out["layers"] = {k: v.value for k, v in self.layers.items()}
+        if self.state_backends:
+            out["run_with"] = run_with_section(self.default, self.layers)
         if self.loss_scaling is not None:
             ls = self.loss_scaling
             out["loss_scaling"] = {

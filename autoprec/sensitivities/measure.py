@@ -81,11 +81,30 @@ def measurement_mode(model: nn.Module) -> None:
 
 
 def round_like_runtime(t: torch.Tensor, precision: Precision, stream: str) -> torch.Tensor:
-    """What the emulate runtime turns ``t`` into (fp8: scaled by its own amax, first call)."""
+    """What the emulate runtime turns ``t`` into (fp8: scaled by its own amax, first call;
+    nvfp4 and fp8_block: their blocks along the last dimension, :func:`_round_blocks`)."""
+    if precision in (Precision.NVFP4, Precision.FP8_BLOCK):
+        return _round_blocks(t, precision)
     fmt = precision.backward_format if stream == "grad_output" else precision.forward_format
     if precision.scaled:
         return ScaledCast(fmt)(t).dequantize()
     return quantize(t, fmt)
+
+
+def _round_blocks(t: torch.Tensor, precision: Precision) -> torch.Tensor:
+    """``t`` through nvfp4's 1x16 blocks (TE's scales, round to nearest: the estimate's
+    expected error, stochastic rounding's being unbiased) or fp8_block's 1x128 tiles, along
+    its last dimension; a tensor whose last size is not a multiple of the block (a bias the
+    kernels leave unrounded, or an odd shape the runtime refuses) is returned as is."""
+    from autoprec.kernels import fp8_block_quantize_lhs, nvfp4_te_round
+
+    block = precision.block_size
+    if t.dim() == 0 or t.shape[-1] % block or t.numel() == 0:
+        return t
+    flat = t.reshape(-1, t.shape[-1])
+    if precision is Precision.NVFP4:
+        return nvfp4_te_round(flat).reshape(t.shape)
+    return fp8_block_quantize_lhs(flat).dequantize(t.dtype).reshape(t.shape)
 
 
 def row(name: str, index: int, precisions: Sequence[Precision], grade: Grade) -> Row:

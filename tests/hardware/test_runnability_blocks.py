@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from autoprec.hardware import get_device
-from autoprec.hardware.runnability import Backend, describe, run_with, runnability
+from autoprec.hardware.runnability import Backend, describe, runnability
 from autoprec.precision import (
     FP8_NAMES,
     HARDWARE_PRECISIONS,
@@ -81,8 +81,8 @@ def test_hardware_show_lists_the_new_formats_on_b200():
 
 
 def test_run_with_names_a_backend_and_recipe_for_every_precision():
-    assert run_with("nvfp4") == ("transformer_engine", "NVFP4BlockScaling")
-    assert run_with("fp8_block") == ("torchao", "Float8BlockwiseLinear")
-    assert run_with("fp8_rowwise") == ("torchao", "Float8LinearConfig rowwise")
-    assert run_with("bf16") == ("torch.autocast", "bf16")
-    assert all(all(run_with(p)) for p in Precision)
+    assert Precision.NVFP4.run_with == ("transformer_engine", "NVFP4BlockScaling")
+    assert Precision.FP8_BLOCK.run_with == ("torchao", "Float8BlockwiseLinear")
+    assert Precision.FP8_ROWWISE.run_with == ("torchao", "Float8LinearConfig rowwise")
+    assert Precision.BF16.run_with == ("torch.autocast", "bf16")
+    assert all(all(p.run_with) for p in Precision)
