@@ -10,9 +10,10 @@ metrics are scored) within a budget of real evaluations and returns a :class:`Se
   loss_delta, speedup, memory_ratio), with optional RDB storage to resume or share a study;
 * ``random``: a uniform random precision per layer;
 * ``greedy``: sensitivity-ordered progressive lowering (also the migration tool);
-* ``baseline``: fp32, AMP-bf16, AMP-fp16, the hardware's default rule and the hand-written fp8
-  rules (torchao's auto filter per recipe, fp8 except the output head, Megatron's first and
-  last blocks in bf16; :mod:`.hand_rules`).
+* ``baseline``: fp32, AMP-bf16, AMP-fp16, the hardware's default rule and the hand-written
+  low-precision rules (torchao's auto filter per recipe, fp8 except the output head, Megatron's
+  first and last blocks in bf16, NVFP4 everywhere or with torchtitan's and Megatron's bf16
+  blocks, DeepSeek-V3's fp8 block scaling, MXFP8 everywhere; :mod:`.hand_rules`).
 
 Example:
     >>> from autoprec.agents import Problem, search

@@ -19,9 +19,11 @@ def baseline_policies(session: Session) -> list[tuple[str, dict[str, str]]]:
     Uniform fp32, blanket AMP at bf16 and at fp16 (each only where the target runs it and it
     is in the problem's precisions), the target's default rule
     (:func:`autoprec.hardware.default_policy`, its precisions fitted to the choices) and the
-    fp8 rules people write by hand (:mod:`autoprec.agents.hand_rules`: torchao's auto filter per
-    recipe, fp8 except the output head, Megatron's first and last blocks in bf16); a rule
-    that repeats an earlier one is left out.
+    low-precision rules people write by hand (:mod:`autoprec.agents.hand_rules`: torchao's auto
+    filter per recipe, fp8 except the output head, Megatron's first and last blocks in bf16,
+    all-NVFP4, torchtitan's NVFP4 with a bf16 tail, Megatron-Bridge's last 4 blocks in bf16,
+    Megatron's first and last blocks in bf16 over NVFP4, DeepSeek-V3's fp8 block scaling with
+    its keep-list, MXFP8 everywhere); a rule that repeats an earlier one is left out.
     """
     from autoprec.hardware.defaults import default_policy
 
