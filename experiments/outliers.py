@@ -6,7 +6,8 @@
    (``--lr``, ``--warmup-steps``, ``--weight-decay``, ``--beta2``), batch ``--batch-size``, for
    ``--steps`` steps, checkpointed under ``--work-dir`` (an interrupted run resumes). The
    weights alone are saved to ``--checkpoint`` (the shared fp32 checkpoint that continued
-   pre-training starts from; it is reused, not retrained, when it exists, unless
+   pre-training starts from; it is reused, not retrained, when it exists (pass the settings
+   it was trained with, which the report repeats), unless
    ``--retrain``), the training loss of every step and the validation losses to
    ``--curve-csv``. The reference losses are the unigram and bigram byte models of the train
    split, scored on the validation split.
@@ -53,7 +54,7 @@ from autoprec.layers import tunable_layers
 from autoprec.models import load_model
 from autoprec.policy import PrecisionPolicy
 from autoprec.training.recipe import TrainingRecipe
-from autoprec.training.run import train
+from autoprec.training.run import CHECKPOINT_NAME, train
 
 RESULTS = Path(__file__).resolve().parent / "results" / "lm"
 SUBSAMPLE = 8192  # entries per tensor and batch kept for the median
@@ -78,6 +79,10 @@ class Args:
     seed: int = 0
     checkpoint: Path = RESULTS / "llama-python-text-fp32.pt"
     retrain: bool = False
+    remeasure: bool = field(
+        default=False,
+        metadata={"help": "measure again although --csv holds the reused checkpoint's figures"},
+    )
     work_dir: Path = field(
         default=Path("/tmp/autoprec-outliers"), metadata={"help": "resumable checkpoints"}
     )
@@ -106,11 +111,15 @@ def reference_losses(data: Any) -> dict[str, float]:
     }
 
 
-def train_or_load(args: Args, spec: Any, data: Any) -> tuple[list[dict[str, float]], float]:
-    """Train ``spec.module`` (or load ``args.checkpoint``); the curve's rows and seconds taken."""
-    if args.checkpoint.exists() and not args.retrain:
+def train_or_load(args: Args, spec: Any, data: Any) -> tuple[list[dict[str, float]], float, bool]:
+    """Train ``spec.module`` (or load ``args.checkpoint``): the curve's rows, the seconds the
+    training took, and whether it trained now."""
+    if args.retrain:  # a fresh run: not one resumed from an earlier run's last checkpoint
+        (args.work_dir / CHECKPOINT_NAME).unlink(missing_ok=True)
+    elif args.checkpoint.exists():
         spec.module.load_state_dict(torch.load(args.checkpoint, weights_only=True))
-        return read_curve(args.curve_csv), 0.0
+        curve = read_curve(args.curve_csv)  # the training's time: its last row's seconds
+        return curve, max((r.get("seconds", 0.0) for r in curve), default=0.0), False
     recipe = TrainingRecipe(
         optimizer="adamw",
         lr=args.lr,
@@ -124,9 +133,9 @@ def train_or_load(args: Args, spec: Any, data: Any) -> tuple[list[dict[str, floa
     start = time.perf_counter()
 
     def log(step: int, metrics: dict[str, float]) -> None:
-        rows.append({"step": step, **{k: float(v) for k, v in metrics.items()}})
+        took = round(time.perf_counter() - start, 1)
+        rows.append({"step": step, **{k: float(v) for k, v in metrics.items()}, "seconds": took})
         if "train_loss" in metrics and step % 50 == 0:
-            took = time.perf_counter() - start
             print(f"step {step}: loss {metrics['train_loss']:.3f} ({took:.0f} s)", flush=True)
 
     result = train(
@@ -144,7 +153,7 @@ def train_or_load(args: Args, spec: Any, data: Any) -> tuple[list[dict[str, floa
     args.checkpoint.parent.mkdir(parents=True, exist_ok=True)
     torch.save(spec.module.state_dict(), args.checkpoint)
     write_rows(args.curve_csv, sorted(rows, key=lambda r: (r["step"], "val_loss" in r)))
-    return read_curve(args.curve_csv), seconds
+    return read_curve(args.curve_csv), seconds, True
 
 
 def read_curve(path: Path) -> list[dict[str, float]]:
@@ -344,7 +353,7 @@ def _layer_table(trained: dict[str, dict], init: dict[str, dict]) -> str:
         x, x0 = got["input"], init[name]["input"]
         g = got.get("grad")
         rows.append([
-            name, x["channels"], f"{x['max']:.3g}", f"{x['median']:.3g}",
+            name, f"{x['channels']:.0f}", f"{x['max']:.3g}", f"{x['median']:.3g}",
             f"{x['max_over_median']:.0f}", f"{x0['max_over_median']:.0f}",
             f"{x['kurtosis']:.1f}", f"{x0['kurtosis']:.1f}",
             x["top_channels"], f"{x['top_channel_max_over_median_channel']:.1f}",
@@ -360,6 +369,35 @@ def _layer_table(trained: dict[str, dict], init: dict[str, dict]) -> str:
         *(f"relMSE {f}" for f in FORMATS), "relMSE nvfp4 init", "grad max/med", "grad relMSE nvfp4",
     ]  # fmt: skip
     return md_table(head, rows)
+
+
+def measure_both(args: Args, spec: Any, data: Any) -> tuple[dict, dict, dict[str, float]]:
+    """:func:`measure` of the trained weights and the initial ones; written to ``args.csv``."""
+    batches = data.fixed_batches(args.measure_batches, args.batch_size, split="val", seed=0)
+    start = time.perf_counter()
+    trained = measure(spec.module, spec, batches)
+    init = measure(load_model("llama", seed=args.seed).module, spec, batches)
+    measured = {"batches": args.measure_batches, "seconds": time.perf_counter() - start}
+    rows = []
+    for which, table in (("trained", trained), ("init", init)):
+        for name, parts in table.items():
+            for kind, stats in parts.items():
+                rows.append({"weights": which, "tensor": name, "kind": kind, **stats, **measured})
+    write_rows(args.csv, rows)
+    return trained, init, measured
+
+
+def read_measurements(path: Path) -> tuple[dict, dict, dict[str, float]]:
+    """What :func:`measure_both` wrote to ``path``."""
+    tables: dict[str, dict[str, dict[str, dict[str, Any]]]] = {"trained": {}, "init": {}}
+    measured: dict[str, float] = {"batches": math.nan, "seconds": math.nan}
+    with path.open() as f:
+        for row in csv.DictReader(f):
+            which, name, kind = row.pop("weights"), row.pop("tensor"), row.pop("kind")
+            stats = {k: v if k == "top_channels" else float(v) for k, v in row.items() if v != ""}
+            measured = {k: stats.pop(k, measured[k]) for k in measured}
+            tables[which].setdefault(name, {})[kind] = stats
+    return tables["trained"], tables["init"], measured
 
 
 def main() -> None:
@@ -380,18 +418,11 @@ def main() -> None:
     keep = torch.linspace(0, len(vx) - 1, min(args.val_windows, len(vx))).round().long()
     data = dataclasses.replace(data, val=TensorDataset(vx[keep], vy[keep]))
     refs = reference_losses(data)
-    curve, seconds = train_or_load(args, spec, data)
-    batches = data.fixed_batches(args.measure_batches, args.batch_size, split="val", seed=0)
-    start = time.perf_counter()
-    trained = measure(spec.module, spec, batches)
-    init = measure(load_model("llama", seed=args.seed).module, spec, batches)
-    measure_s = time.perf_counter() - start
-    rows = []
-    for which, table in (("trained", trained), ("init", init)):
-        for name, parts in table.items():
-            for kind, stats in parts.items():
-                rows.append({"weights": which, "tensor": name, "kind": kind, **stats})
-    write_rows(args.csv, rows)
+    curve, seconds, trained_now = train_or_load(args, spec, data)
+    if args.csv.exists() and not (trained_now or args.remeasure):
+        trained, init, measured = read_measurements(args.csv)
+    else:
+        trained, init, measured = measure_both(args, spec, data)
     corpus = data.metadata["corpus"]
     body = (
         "## Activation outliers of the zoo llama trained on python-text\n\n"
@@ -402,8 +433,9 @@ def main() -> None:
         f"Training: zoo llama (seed {args.seed}), fp32, AdamW lr {args.lr:g} (beta2 "
         f"{args.beta2:g}, weight decay {args.weight_decay:g}), {args.warmup_steps} warm-up steps, "
         f"cosine to 0, batch {args.batch_size}, {args.steps} steps"
-        + (f" ({seconds / 60:.1f} min here)" if seconds else " (checkpoint reused)")
-        + f"; measured on {args.measure_batches} validation batches ({measure_s:.0f} s).  \n"
+        + (f" ({seconds / 60:.1f} min on this machine)" if seconds else "")
+        + f"; measured on {measured['batches']:.0f} validation batches of {args.batch_size} "
+        f"({measured['seconds']:.0f} s).  \n"
         f"Files: {_rel(args.checkpoint)}, {_rel(args.curve_csv)}, {_rel(args.csv)}.\n\n"
         + _curve_table(curve, refs, args.steps)
         + "\n\n"
