@@ -62,9 +62,12 @@ def refuse_block(layers: Mapping[str, tuple[nn.Module, Precision]], device_type:
         if chosen:
             names = list(chosen)
             more = f" and {len(names) - 4} more" if len(names) > 4 else ""
+            why = f"runs natively with {backends} on {target}"
+            if runs:  # a Blackwell GPU, torchao's module: the shapes
+                why = "runs natively here as torchao's NVFP4Linear: in/out features multiples of 128"
             raise NotRunnableError(
-                f"{precision.value} runs natively with {backends} on {target}; on this machine "
-                f"use --mode emulate (mode='emulate') for layer(s) {', '.join(names[:4])}{more}",
+                f"{precision.value} {why}; on this machine use --mode emulate (mode='emulate') "
+                f"for layer(s) {', '.join(names[:4])}{more}",
                 {n: f"{precision.value}: needs {target}" for n in names},
             )
 

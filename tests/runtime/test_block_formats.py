@@ -16,6 +16,7 @@ from autoprec.cli import main
 from autoprec.hardware.runnability import NotRunnableError
 from autoprec.kernels import NVFP4Options, block_fp8_linear, nvfp4_linear
 from autoprec.models import load_model
+from autoprec.precision import Precision
 from autoprec.runtime import apply_policy
 from autoprec.runtime.block_emulate import layer_seed, rht_signs
 
@@ -171,3 +172,57 @@ def test_autoprec_train_native_refuses_nvfp4_in_one_line(tmp_path, capsys):
     assert len(lines) == 1 and lines[0].startswith("autoprec: error: ")
     assert "nvfp4 runs natively with Transformer Engine (NVFP4BlockScaling)" in lines[0]
     assert "Blackwell (sm100)" in lines[0] and "--mode emulate" in lines[0] and "fc1" in lines[0]
+
+
+def test_native_plumbing_swaps_the_block_modules(monkeypatch):
+    """Native mode's program around the CUDA-only modules (its swap, the bf16 boundary, the
+    restore), with the emulated modules standing in for torchao's: no GPU here."""
+    from autoprec.runtime import native
+    from autoprec.runtime.block_emulate import EmulatedBlockFP8Linear, EmulatedNVFP4Linear
+
+    def stand_in(name, module, precision):
+        if precision.value == "nvfp4":
+            return EmulatedNVFP4Linear.from_linear(module, name)
+        return EmulatedBlockFP8Linear.from_linear(module)
+
+    monkeypatch.setattr(native, "check_native", lambda *args, **kwargs: None)
+    monkeypatch.setattr(native, "block_module", stand_in)
+    model = _mlp()
+    x, g = _batch()
+    with apply_policy(model, {"0": "nvfp4", "2": "fp8_block", "3": "bf16"}, mode="native"):
+        assert [type(model[i]).__name__ for i in (0, 2)] == [
+            "EmulatedNVFP4Linear",
+            "EmulatedBlockFP8Linear",
+        ]
+        got = _step(model, x, g)
+    assert [type(m).__name__ for m in model] == ["Linear", "ReLU", "Linear", "Linear"]
+    assert all(torch.isfinite(t).all() for t in got) and got[0].dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    ("capability", "refused"),
+    [
+        ((8, 0), {"nvfp4", "nvfp4 odd", "fp8_block"}),
+        ((9, 0), {"nvfp4", "nvfp4 odd"}),
+        ((10, 0), {"nvfp4 odd"}),
+    ],
+)
+def test_cuda_needs_the_capability_and_nvfp4_multiples_of_128(monkeypatch, capability, refused):
+    from autoprec.runtime.native_blocks import refuse_block
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args: capability)
+    wide, odd = nn.Linear(128, 256), nn.Linear(128, 64)
+    cases = {
+        "nvfp4": {"a": (wide, Precision.NVFP4)},
+        "nvfp4 odd": {"a": (wide, Precision.NVFP4), "b": (odd, Precision.NVFP4)},
+        "fp8_block": {"a": (wide, Precision.FP8_BLOCK)},
+    }
+    for case, layers in cases.items():
+        if case in refused:
+            with pytest.raises(NotRunnableError) as err:
+                refuse_block(layers, "cuda")
+            named = "b" if capability == (10, 0) else ", ".join(layers)
+            assert str(err.value).endswith(f"layer(s) {named}")
+            assert ("multiples of 128" in str(err.value)) == (capability == (10, 0))
+        else:
+            refuse_block(layers, "cuda")
