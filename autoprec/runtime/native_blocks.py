@@ -64,7 +64,10 @@ def refuse_block(layers: Mapping[str, tuple[nn.Module, Precision]], device_type:
             more = f" and {len(names) - 4} more" if len(names) > 4 else ""
             why = f"runs natively with {backends} on {target}"
             if runs:  # a Blackwell GPU, torchao's module: the shapes
-                why = "runs natively here as torchao's NVFP4Linear: in/out features multiples of 128"
+                why = (
+                    "runs natively here as torchao's NVFP4Linear, "
+                    "whose in/out features must be multiples of 128"
+                )
             raise NotRunnableError(
                 f"{precision.value} {why}; on this machine use --mode emulate (mode='emulate') "
                 f"for layer(s) {', '.join(names[:4])}{more}",
