@@ -15,7 +15,7 @@ from torch.utils.flop_counter import (
     sdpa_flop_count,
 )
 
-__all__ = ["counts_flops", "flops"]
+__all__ = ["counts_flops", "flops", "meta_grouped_mm"]
 
 _CONV_BACKWARD = torch.ops.aten.convolution_backward
 
@@ -31,6 +31,25 @@ def _grouped_mm_flops(a: torch.Tensor, b: torch.Tensor, *_: Any) -> int:
     if a.dim() == 3 and b.dim() == 2:
         return 2 * a.shape[1] * a.shape[2] * b.shape[1]
     return 2 * (a.numel() // a.shape[-1]) * a.shape[-1] * b.shape[-1]
+
+
+def meta_grouped_mm(func: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The result of ``_grouped_mm`` on meta operands of any float dtype (torch's meta kernel
+    takes bf16 only, while the analysis runs models in fp32): a (tokens, K) by (groups, K, N)
+    product is (tokens, N), a (M, K) by (K, N) product split along K is (groups, M, N). None
+    for another op or other operands (the op runs as it is)."""
+    if func._overloadpacket is not torch.ops.aten._grouped_mm or not args[0].is_meta:
+        return None
+    a, b = args[0], args[1]
+    offs = args[2] if len(args) > 2 else kwargs.get("offs")
+    dtype = kwargs.get("out_dtype") or a.dtype
+    if a.dim() == 2 and b.dim() == 3:
+        shape: tuple[int, ...] = (a.shape[0], b.shape[-1])
+    elif a.dim() == 2 and b.dim() == 2 and offs is not None:
+        shape = (offs.shape[0], a.shape[0], b.shape[1])
+    else:
+        return None
+    return torch.empty(shape, dtype=dtype, device="meta")
 
 
 def _heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[tuple[int, ...], ...]:

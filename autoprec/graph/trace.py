@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-from autoprec.graph.flops import counts_flops, flops
+from autoprec.graph.flops import counts_flops, flops, meta_grouped_mm
 
 ACTIVATION_MATMULS = "matmuls of two activations (attention scores and values): no weight"
 _NO_DATA = ("empty_like", "zeros_like", "ones_like", "full_like", "new_empty", "new_zeros")
@@ -350,7 +350,8 @@ class AtenOps(_Recording, TorchDispatchMode):
             if r is not NotImplemented:
                 return r
         try:
-            out = func(*args, **kwargs)
+            out = meta_grouped_mm(func, args, kwargs)
+            out = func(*args, **kwargs) if out is None else out
         except Exception:
             if self.rec.failed_op is None:
                 self.rec.failed_op = str(func)

@@ -95,7 +95,8 @@ def expert_gemm(x: Tensor, weight: Tensor, counts: Tensor) -> Tensor:
     autocast region (autocast has no rule for ``_grouped_mm``; torchtitan casts them to bf16
     itself), else to ``x``'s dtype."""
     device = x.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    autocast = device != "meta" and torch.is_autocast_enabled(device)  # meta: no autocast
+    dtype = torch.get_autocast_dtype(device) if autocast else x.dtype
     offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
     return torch._grouped_mm(x.to(dtype), weight.to(dtype).transpose(-2, -1), offs=offsets)
 
@@ -158,7 +159,8 @@ class MoE(nn.Module):
         chosen = experts.reshape(-1)
         order = torch.argsort(chosen, stable=True)  # the routed copies, sorted by expert
         token = order // experts.shape[-1]
-        counts = torch.bincount(chosen, minlength=self.n_experts)
+        counts = torch.zeros(self.n_experts, dtype=chosen.dtype, device=chosen.device)
+        counts = counts.scatter_add(0, chosen, torch.ones_like(chosen))  # bincount: not on meta
         routed = self.experts(flat[token], counts)
         weighted = (routed.float() * scores.reshape(-1)[order, None]).to(routed.dtype)
         # back in token order, then each token's top_k outputs summed: no atomic adds (CUDA's
