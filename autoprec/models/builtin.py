@@ -203,6 +203,10 @@ BUILTIN_MODELS: dict[str, BuiltinEntry] = {
         build_shape=llama.build_llama_shape,
     ),
     "llama-moe": BuiltinEntry(
-        moe.build_llama_moe, "token-classification", (moe.DEFAULT_MOE.seq_len,)
+        moe.build_llama_moe,
+        "token-classification",
+        (moe.DEFAULT_MOE.seq_len,),
+        shapes={name: config.describe() for name, config in moe.PRODUCTION_SHAPES.items()},
+        build_shape=moe.build_llama_moe_shape,
     ),
 }

@@ -40,6 +40,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -316,15 +317,30 @@ def build_llama_shape(
         ModelError: ``shape`` is not a name of :data:`PRODUCTION_SHAPES`.
     """
     check_tokens_only(image_size, in_channels)
-    if shape not in PRODUCTION_SHAPES:
+    return _spec(shape_config("llama", PRODUCTION_SHAPES, DEFAULT_CONFIG, shape, seq_len))
+
+
+def shape_config(
+    model: str,
+    shapes: Mapping[str, LlamaConfig],
+    default: LlamaConfig,
+    shape: str,
+    seq_len: int | None,
+) -> LlamaConfig:
+    """``shapes[shape]`` with ``default``'s depth and embedding tying (the zoo model's layer
+    names), and ``seq_len`` tokens (None: the shape's).
+
+    Raises:
+        ModelError: ``shape`` is not a name of ``shapes``.
+    """
+    if shape not in shapes:
         raise ModelError(
-            f"unknown shape {shape!r} for llama; expected one of {', '.join(PRODUCTION_SHAPES)}"
+            f"unknown shape {shape!r} for {model}; expected one of {', '.join(shapes)}"
         )
-    named = PRODUCTION_SHAPES[shape]
-    config = dataclasses.replace(
+    named = shapes[shape]
+    return dataclasses.replace(
         named,
-        n_layers=DEFAULT_CONFIG.n_layers,
+        n_layers=default.n_layers,
         seq_len=named.seq_len if seq_len is None else seq_len,
-        tie_embeddings=DEFAULT_CONFIG.tie_embeddings,
+        tie_embeddings=default.tie_embeddings,
     )
-    return _spec(config)

@@ -46,10 +46,19 @@ from autoprec.models.llama import (
     LlamaConfig,
     TransformerBlock,
     check_tokens_only,
+    shape_config,
 )
 from autoprec.models.spec import ModelError, ModelSpec, Task
 
-__all__ = ["DEFAULT_MOE", "GroupedExperts", "LlamaMoE", "MoE", "MoEConfig", "expert_gemm"]
+__all__ = [
+    "DEFAULT_MOE",
+    "PRODUCTION_SHAPES",
+    "GroupedExperts",
+    "LlamaMoE",
+    "MoE",
+    "MoEConfig",
+    "expert_gemm",
+]
 
 
 @dataclass(frozen=True)
@@ -84,8 +93,27 @@ class MoEConfig(LlamaConfig):
                 f"llama-moe: n_shared_experts must be an int >= 0, got {self.n_shared_experts!r}"
             )
 
+    def describe(self) -> str:
+        """llama's line and the experts: ``..., 8 experts of 14336 (top 2), 0 shared``."""
+        return (
+            f"{super().describe()}, {self.n_experts} experts of {self.expert_hidden} "
+            f"(top {self.top_k}), {self.n_shared_experts} shared"
+        )
+
 
 DEFAULT_MOE = MoEConfig()
+
+#: Mixtral 8x7B's widths (Mistral AI's released config: hidden 4096, 32 heads with 8 KV heads,
+#: 8 experts of width 14336, 2 per token, no shared expert, vocabulary 32000, rope theta 1e6),
+#: on 8192 tokens as the zoo's llama shapes; :func:`build_llama_moe_shape` keeps the zoo
+#: model's depth (so the layer names are the same). Build it on the meta device.
+PRODUCTION_SHAPES: dict[str, MoEConfig] = {
+    "mixtral-8x7b": MoEConfig(
+        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336, vocab_size=32000,
+        seq_len=8192, rope_theta=1_000_000.0, n_experts=8, top_k=2, expert_hidden=14336,
+        n_shared_experts=0,
+    ),
+}  # fmt: skip
 
 
 def expert_gemm(x: Tensor, weight: Tensor, counts: Tensor) -> Tensor:
@@ -191,6 +219,13 @@ class LlamaMoE(Llama):
         super().__init__(DEFAULT_MOE if config is None else config)
 
 
+def _spec(config: MoEConfig) -> ModelSpec:
+    return ModelSpec.for_tokens(
+        "llama-moe", LlamaMoE(config), config.seq_len, Task.TOKEN_CLASSIFICATION,
+        config.vocab_size, config.vocab_size, family="builtin",
+    )  # fmt: skip
+
+
 def build_llama_moe(
     num_classes: int, image_size: int | None, in_channels: int | None, seq_len: int | None
 ) -> ModelSpec:
@@ -198,8 +233,18 @@ def build_llama_moe(
     ``num_classes`` does not apply (the classes are the vocabulary), as for ``llama``."""
     check_tokens_only(image_size, in_channels, "llama-moe")
     length = DEFAULT_MOE.seq_len if seq_len is None else seq_len
-    config = dataclasses.replace(DEFAULT_MOE, seq_len=length)
-    return ModelSpec.for_tokens(
-        "llama-moe", LlamaMoE(config), length, Task.TOKEN_CLASSIFICATION, config.vocab_size,
-        config.vocab_size, family="builtin",
-    )  # fmt: skip
+    return _spec(dataclasses.replace(DEFAULT_MOE, seq_len=length))
+
+
+def build_llama_moe_shape(
+    shape: str, image_size: int | None, in_channels: int | None, seq_len: int | None
+) -> ModelSpec:
+    """``llama-moe`` at the widths of :data:`PRODUCTION_SHAPES` ``[shape]`` with the zoo's
+    depth (same layer names); ``seq_len`` None takes the shape's.
+
+    Raises:
+        ModelError: ``shape`` is not a name of :data:`PRODUCTION_SHAPES`.
+    """
+    check_tokens_only(image_size, in_channels, "llama-moe")
+    config = shape_config("llama-moe", PRODUCTION_SHAPES, DEFAULT_MOE, shape, seq_len)
+    return _spec(config)  # type: ignore[arg-type]  # a MoEConfig, replaced

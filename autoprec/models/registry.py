@@ -57,9 +57,9 @@ def load_model(
 
     Args:
         name: a torchvision classification model (``resnet50``, ``vit_b_16``, ...), a built-in
-            model (``mlp``, ``tinycnn``, ``tinytransformer``, ``llama``), a Hugging Face model
-            (``bert-tiny``, ``gpt2-small``; needs ``pip install autoprec[hf]``) or the user's
-            own ``"package.module:factory"``.
+            model (``mlp``, ``tinycnn``, ``tinytransformer``, ``llama``, ``llama-moe``), a
+            Hugging Face model (``bert-tiny``, ``gpt2-small``; needs ``pip install
+            autoprec[hf]``) or the user's own ``"package.module:factory"``.
         num_classes: size of the classification head.
         image_size: side ``S`` of square input images (``(C, S, S)``); None keeps the model's
             default (224 for torchvision, 8 for the built-in image models).
@@ -69,8 +69,9 @@ def load_model(
             global RNG is left as it was), so the same call builds the same weights in every
             process; None draws from the global RNG as plain construction would.
         shape: a named production shape of the model (:func:`model_shapes`; ``llama``'s
-            ``llama3-8b``, ...): its widths, heads, vocabulary and sequence length with the
-            default model's depth and layer names, for the cost model. Build it under
+            ``llama3-8b``, ..., ``llama-moe``'s ``mixtral-8x7b``): its widths, heads,
+            vocabulary and sequence length with the default model's depth and layer names,
+            for the cost model. Build it under
             ``with torch.device("meta"):``, as its weights can take many GB.
 
     Returns:
@@ -129,7 +130,7 @@ def _check_parameters(name: str, num_classes: int, *args: Any) -> None:
 
 def model_shapes(name: str) -> dict[str, str]:
     """The named production shapes of zoo model ``name``, name to a one-line description;
-    ``{}`` for a model without any (every model but ``llama`` today)."""
+    ``{}`` for a model without any (every model but ``llama`` and ``llama-moe`` today)."""
     entry = BUILTIN_MODELS.get(name.strip().lower())
     return dict(entry.shapes) if entry is not None else {}
 

@@ -12,8 +12,14 @@ from torch.nn import functional as F
 from autoprec.data import load_dataset_for
 from autoprec.graph import analyze
 from autoprec.layers import geometry, is_fused_experts, tunable_layers
-from autoprec.models import ModelError, list_models, load_model
-from autoprec.models.moe import GroupedExperts, LlamaMoE, MoEConfig, expert_gemm
+from autoprec.models import ModelError, list_models, load_model, model_shapes
+from autoprec.models.moe import (
+    PRODUCTION_SHAPES,
+    GroupedExperts,
+    LlamaMoE,
+    MoEConfig,
+    expert_gemm,
+)
 from autoprec.models.spec import ModelSpec, Task
 from autoprec.policy import PrecisionPolicy
 from autoprec.training.run import train
@@ -112,3 +118,19 @@ def test_analysis_counts_the_grouped_gemms_at_the_routed_tokens():
     assert row.params == 3 * 4 * 32 * 48 and row.calls == 3  # its three grouped GEMMs
     assert table["layers.1.moe.router.gate"].forward_flops == 2 * tokens * 32 * 4
     assert not any("GroupedExperts" in reason for reason, _ in table.uncovered)
+
+
+def test_the_mixtral_shape_is_costed_on_the_meta_device():
+    with torch.device("meta"):
+        spec = load_model("llama-moe", shape="mixtral-8x7b")
+    assert model_shapes("llama-moe") == {
+        "mixtral-8x7b": PRODUCTION_SHAPES["mixtral-8x7b"].describe()
+    }
+    names = [name for name, _ in tunable_layers(spec.module)]
+    assert len(names) == 4 * 6 + 1 and "layers.3.moe.experts" in names  # no shared expert
+    table = analyze(spec, 1)
+    assert table.meta_failure == ""
+    # 8192 tokens, 2 experts each, three GEMMs of 4096 x 14336
+    assert table["layers.0.moe.experts"].forward_flops == 2 * 8192 * 2 * 3 * 4096 * 14336
+    with pytest.raises(ModelError, match="unknown shape 'llama3-8b' for llama-moe"):
+        load_model("llama-moe", shape="llama3-8b")
