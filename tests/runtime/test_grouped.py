@@ -69,15 +69,18 @@ def test_16_bit_and_tf32_are_each_experts_matmul_on_rounded_operands(precision):
     assert torch.equal(gw[1], torch.zeros(N, K))  # no tokens, no gradient
 
 
-def test_fp8_tensorwise_is_a_float8_linear_per_expert():
+@pytest.mark.parametrize("precision", ["fp8", "fp8_rowwise", "fp8_rowwise_gw_hp"])
+def test_the_fp8_recipes_are_a_float8_linear_per_expert(precision):
+    # rowwise: torchao's fp8 grouped GEMM casts as its rowwise Float8Linear would per expert
     x, w, g = _operands()
-    out, gx, gw = _run("fp8", x, w, g)
+    out, gx, gw = _run(precision, x, w, g)
     for e, rows in _groups():
         if not COUNTS[e]:
             continue
         linear = nn.Linear(K, N, bias=False)
         linear.weight = nn.Parameter(w[e].clone())
-        ref = EmulatedFloat8Linear.from_linear(linear, RecipeCasts(Precision.FP8, False))
+        casts = RecipeCasts(Precision(precision), False)
+        ref = EmulatedFloat8Linear.from_linear(linear, casts)
         xe = x[rows].clone().requires_grad_()
         expect = ref(xe)
         expect.backward(g[rows])
