@@ -108,9 +108,9 @@ def geometry(module: nn.Module) -> tuple[int, int, tuple[int, ...], tuple[int, .
         fan_in, fan_out = module.weight.shape
         return int(fan_in), int(fan_out), (), ()
     names = expert_weights(module)
-    if names:  # the first GEMM's (in, out): the model's width and the experts' (gate, up) width
-        _, out, fan_in = getattr(module, names[0]).shape
-        return int(fan_in), int(out), (), ()
+    if names:  # the model's width and each expert's hidden width: (out, in) of the last GEMM
+        _, width, hidden = getattr(module, names[-1]).shape
+        return int(width), int(hidden), (), ()
     return 0, 0, (), ()
 
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from autoprec.hardware.runnability import NotRunnableError
 from autoprec.kernels import quantize
-from autoprec.layers import is_fused_experts, tunable_layers
+from autoprec.layers import geometry, is_fused_experts, tunable_layers
 from autoprec.models import load_model
 from autoprec.models.moe import GroupedExperts
 from autoprec.precision import Precision
@@ -215,6 +215,7 @@ def test_a_hugging_face_mixtrals_fused_experts_are_one_layer_run_as_grouped_gemm
     model = nn.Sequential()
     model.add_module("experts", experts)
     assert is_fused_experts(experts) and [n for n, _ in tunable_layers(model)] == ["experts"]
+    assert geometry(experts) == (32, 64, (), ())  # the model's width, each expert's hidden
     hidden = torch.randn(10, 32)
     index = torch.stack([torch.randperm(4)[:2] for _ in range(10)])
     weights = torch.rand(10, 2)
