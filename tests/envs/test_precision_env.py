@@ -16,6 +16,7 @@ from autoprec.envs.factory import named_workload
 from autoprec.envs.precision_env import DEFAULT_PRECISIONS, STATIC_FEATURES
 from autoprec.evaluate import EvaluatorConfig, Metrics
 from autoprec.evaluate.reward import RewardConfig
+from autoprec.precision import Precision
 
 FAST = {"model": "tinycnn", "steps": 5, "warm_start_steps": 20}  # make_env_by_name's keywords
 WORKLOAD = named_workload("tinycnn")  # and the same as make_env's configs
@@ -66,7 +67,7 @@ def test_make_after_import_and_masked_random_episode():
     assert env.observation_space.shape == (len(STATIC_FEATURES) + 2 * n + 2,)
     # the first layer is a convolution: h100 runs four of its formats (no fp8 convolution
     # kernel, whichever fp8 recipe; no MX tensor cores)
-    fp8_at = [i for i, p in enumerate(DEFAULT_PRECISIONS) if p.startswith("fp8")]
+    fp8_at = [i for i, p in enumerate(DEFAULT_PRECISIONS) if Precision(p).is_fp8]  # recipes
     mask = env.get_wrapper_attr("action_masks")().tolist()
     assert mask == [p in ("fp32", "tf32", "bf16", "fp16") for p in DEFAULT_PRECISIONS]  # no mxfp8
     # per layer, from the runnability table: fp8 (every recipe) only on fc1 (512 x 64; fc2's 10
