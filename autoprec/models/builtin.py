@@ -1,5 +1,5 @@
 """Small built-in models for tests, demos and quick searches: ``mlp``, ``tinycnn``,
-``tinytransformer`` and ``llama``.
+``tinytransformer``, ``llama``, ``llama-small`` (8 narrow blocks over bytes) and ``llama-moe``.
 
 They build in milliseconds and train in seconds on a CPU. The image models default to
 ``(1, 8, 8)`` inputs, the native size of scikit-learn's digits; the transformer reads sequences
@@ -201,6 +201,13 @@ BUILTIN_MODELS: dict[str, BuiltinEntry] = {
         (llama.DEFAULT_CONFIG.seq_len,),
         shapes={name: config.describe() for name, config in llama.PRODUCTION_SHAPES.items()},
         build_shape=llama.build_llama_shape,
+    ),
+    "llama-small": BuiltinEntry(
+        llama.build_llama_small,
+        "token-classification",
+        (llama.SMALL_CONFIG.seq_len,),
+        shapes={name: config.describe() for name, config in llama.PRODUCTION_SHAPES.items()},
+        build_shape=llama.build_llama_small_shape,
     ),
     "llama-moe": BuiltinEntry(
         moe.build_llama_moe,

@@ -120,6 +120,13 @@ class LlamaConfig:
 
 
 DEFAULT_CONFIG = LlamaConfig()
+#: ``llama-small``: a byte-level language model (vocabulary 256, the ``python-text`` corpus's)
+#: of 8 narrow blocks, small enough that every format's emulation trains it on a CPU, and deep
+#: enough that the block rules of low-precision training (the last 15% of blocks, the last 4,
+#: the first and last) each pick a different set of blocks.
+SMALL_CONFIG = LlamaConfig(
+    dim=128, n_layers=8, n_heads=4, n_kv_heads=2, ffn_hidden=384, vocab_size=256, seq_len=64
+)
 
 #: Meta's Llama 3 (3.1) widths, as in Meta's and torchtitan's published configs (ffn from
 #: ``ffn_dim_multiplier`` and ``multiple_of``); ``n_layers`` is the production depth, which
@@ -281,11 +288,31 @@ class Llama(nn.Module):
         return self.output(self.norm(h))
 
 
-def _spec(config: LlamaConfig) -> ModelSpec:
+def _spec(config: LlamaConfig, name: str = "llama") -> ModelSpec:
     return ModelSpec.for_tokens(
-        "llama", Llama(config), config.seq_len, Task.TOKEN_CLASSIFICATION, config.vocab_size,
+        name, Llama(config), config.seq_len, Task.TOKEN_CLASSIFICATION, config.vocab_size,
         config.vocab_size, family="builtin",
     )  # fmt: skip
+
+
+def build_llama_small(
+    num_classes: int, image_size: int | None, in_channels: int | None, seq_len: int | None
+) -> ModelSpec:
+    """``llama-small`` (:data:`SMALL_CONFIG`, ``seq_len`` tokens if given); ``num_classes``
+    does not apply, as for :func:`build_llama`."""
+    check_tokens_only(image_size, in_channels, "llama-small")
+    length = SMALL_CONFIG.seq_len if seq_len is None else seq_len
+    return _spec(dataclasses.replace(SMALL_CONFIG, seq_len=length), "llama-small")
+
+
+def build_llama_small_shape(
+    shape: str, image_size: int | None, in_channels: int | None, seq_len: int | None
+) -> ModelSpec:
+    """``llama-small`` at the widths of :data:`PRODUCTION_SHAPES` ``[shape]`` with its own
+    depth (8 blocks; same layer names), for the cost model."""
+    check_tokens_only(image_size, in_channels, "llama-small")
+    config = shape_config("llama-small", PRODUCTION_SHAPES, SMALL_CONFIG, shape, seq_len)
+    return _spec(config, "llama-small")
 
 
 def check_tokens_only(image_size: int | None, in_channels: int | None, name: str = "llama") -> None:

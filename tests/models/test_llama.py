@@ -251,3 +251,16 @@ def test_build_evaluator_costs_the_named_shape_and_picks_teacher_text():
     table = evaluator.cost_table()
     assert sorted(r.name for r in table.rows) == sorted(_linear_names(evaluator.spec.module))
     assert table.rows[0].forward_flops == 2 * 2 * 8192 * 8192 * 8192
+
+
+def test_llama_small_is_a_deep_narrow_byte_model_with_the_llama_names():
+    """``llama-small``: 8 blocks of width 128 over the 256 byte values (python-text), the
+    llama's layer names, and the llama's production shapes at its own depth for the costs."""
+    spec = load_model("llama-small")
+    names = [n for n, _ in tunable_layers(spec.module)]
+    assert spec.name == "llama-small" and spec.num_classes == 256
+    assert len(names) == 8 * 7 + 1 and names[-1] == "output" and "layers.7.feed_forward.w2" in names
+    with torch.device("meta"):
+        big = load_model("llama-small", shape="llama3-8b")
+    assert [n for n, _ in tunable_layers(big.module)] == names
+    assert big.module.output.weight.shape == (128256, 4096)
