@@ -158,8 +158,12 @@ class Args:
 
     @property
     def size(self) -> int | None:
-        """The image size models are built at (torchvision ones at 32 unless given)."""
-        return self.image_size or (None if self.model in ("tinycnn", "mlp") else 32)
+        """The image size models are built at (torchvision ones at 32 unless given; token
+        models at none)."""
+        from autoprec.models import model_task
+
+        small = self.model in ("tinycnn", "mlp") or model_task(self.model) != "image-classification"
+        return self.image_size or (None if small else 32)
 
     @property
     def slug(self) -> str:

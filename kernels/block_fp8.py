@@ -172,12 +172,23 @@ def block_fp8_linear(
     Returns:
         (..., N) in ``input``'s dtype.
 
+    K, N and the rows M of ``input`` need not be multiples of 128: the operands are padded with
+    zeros to the next multiple and the output cut back, which scales a partial tile from its own
+    values (a zero never raises a tile's amax) -- as torchao's blockwise grouped GEMM pads token
+    groups. torchao's ``Float8BlockwiseLinear`` itself refuses such shapes; native runnability
+    says so.
+
     Raises:
-        ValueError: mismatched shapes or dtypes, K or N not a multiple of 128, or the rows M of
-            ``input`` not a multiple of 128 when the weight needs a gradient.
+        ValueError: mismatched shapes or dtypes.
     """
-    wgrad = torch.is_grad_enabled() and weight.requires_grad
-    blocked = (True, True, wgrad)
-    check_block_linear("block_fp8_linear", input, weight, FP8_BLOCK_TILE, blocked, "torchao")
-    out = BlockFP8LinearFunction.apply(input, weight)
+    check_block_linear("block_fp8_linear", input, weight, FP8_BLOCK_TILE, (False,) * 3, "torchao")
+    n, k = weight.shape
+    rows = input.reshape(-1, k)
+    pad_n, pad_k, pad_m = ((-size) % FP8_BLOCK_TILE for size in (n, k, rows.shape[0]))
+    if pad_n or pad_k:
+        weight = torch.nn.functional.pad(weight, (0, pad_k, 0, pad_n))
+    if pad_k or pad_m:
+        rows = torch.nn.functional.pad(rows, (0, pad_k, 0, pad_m))
+    out = BlockFP8LinearFunction.apply(rows, weight)[: rows.shape[0] - pad_m, :n]
+    out = out.reshape(*input.shape[:-1], n)
     return out if bias is None else out + bias.to(out.dtype)

@@ -245,8 +245,9 @@ def runnability(
     return Verdict(p, Backend.FLOAT8)
 
 
-#: K and N of an emulated block-scaled Linear must be multiples of (the kernels refuse others).
-_EMULATED_DIVISOR = {Precision.FP8_BLOCK: BLOCKWISE_DIVISOR, Precision.NVFP4: NVFP4_DIVISOR}
+#: K and N of an emulated block-scaled Linear must be multiples of (the kernels refuse others;
+#: fp8_block's pads partial tiles with zeros, :func:`autoprec.kernels.block_fp8_linear`).
+_EMULATED_DIVISOR = {Precision.NVFP4: NVFP4_DIVISOR}
 #: Per block-scaled precision: its native backend, the backend's module (for the reasons),
 #: and the multiple K and N must be.
 _BLOCK_NATIVE = {

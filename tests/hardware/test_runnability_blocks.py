@@ -66,9 +66,10 @@ def test_fp8_block_runs_on_fp8_targets_with_k_and_n_multiples_of_128(device):
     spec = get_device(device)
     ok = runnability("linear", "fp8_block", spec, features=(256, 128))
     assert ok.backend is Backend.BLOCKWISE
-    for mode in ("native", "emulate"):
-        odd = runnability("linear", "fp8_block", spec, features=(256, 64), mode=mode)
-        assert not odd.runnable and "128" in odd.reason
+    odd = runnability("linear", "fp8_block", spec, features=(256, 64))
+    assert not odd.runnable and "128" in odd.reason
+    # emulated, a partial tile is zero-padded (autoprec.kernels.block_fp8_linear)
+    assert runnability("linear", "fp8_block", spec, features=(256, 64), mode="emulate").runnable
     assert not runnability("matmul", "fp8_block", spec).runnable
     assert not runnability("linear", "fp8_block", get_device("a100-80gb-sxm")).runnable
 
