@@ -47,9 +47,9 @@ low-precision compute.)
   (Blackwell: ``nvfp4`` in ``supported_precisions``): ``te.Linear``, K and N (and the tokens)
   multiples of 16. torchao's ``NVFP4TrainingConfig`` runs it too where M, K and N are multiples
   of 128: autoprec's native runtime swaps that in on CUDA Blackwell (TE is not looked up).
-- In ``emulate`` mode both run on ``nn.Linear`` layers with the same shape rules as their
-  backends (the kernels refuse other shapes, as the backends do): K and N multiples of 16
-  (nvfp4) or 128 (fp8_block); the tokens a layer sees must be too (the kernels say so).
+- In ``emulate`` mode both run on ``nn.Linear`` layers: nvfp4 with K and N (and the tokens a
+  layer sees: the kernel says so) multiples of 16, as TE; fp8_block on any shape, a partial
+  tile zero-padded (:func:`autoprec.kernels.block_fp8_linear`).
 - :attr:`~autoprec.precision.Precision.run_with` names, for every precision, the backend and
   recipe production training runs it with (the exported policy file states it per layer).
 

@@ -93,18 +93,20 @@ def round_like_runtime(t: torch.Tensor, precision: Precision, stream: str) -> to
 
 def _round_blocks(t: torch.Tensor, precision: Precision) -> torch.Tensor:
     """``t`` through nvfp4's 1x16 blocks (TE's scales, round to nearest: the estimate's
-    expected error, stochastic rounding's being unbiased) or fp8_block's 1x128 tiles, along
-    its last dimension; a tensor whose last size is not a multiple of the block (a bias the
-    kernels leave unrounded, or an odd shape the runtime refuses) is returned as is."""
+    expected error, stochastic rounding's being unbiased) or fp8_block's 1x128 tiles (a partial
+    one zero-padded, as the emulation pads it), along its last dimension. A 1-D tensor (a bias,
+    which the kernels leave unrounded) and, for nvfp4, a last size that is not a multiple of 16
+    (a shape the runtime refuses) are returned as is."""
     from autoprec.kernels import fp8_block_quantize_lhs, nvfp4_te_round
 
-    block = precision.block_size
-    if t.dim() == 0 or t.shape[-1] % block or t.numel() == 0:
+    last = t.shape[-1] if t.dim() else 0
+    if t.dim() < 2 or t.numel() == 0 or (precision is Precision.NVFP4 and last % 16):
         return t
-    flat = t.reshape(-1, t.shape[-1])
+    flat = t.reshape(-1, last)
     if precision is Precision.NVFP4:
         return nvfp4_te_round(flat).reshape(t.shape)
-    return fp8_block_quantize_lhs(flat).dequantize(t.dtype).reshape(t.shape)
+    padded = nn.functional.pad(flat, (0, -last % precision.block_size))
+    return fp8_block_quantize_lhs(padded).dequantize(t.dtype)[:, :last].reshape(t.shape)
 
 
 def row(name: str, index: int, precisions: Sequence[Precision], grade: Grade) -> Row:

@@ -44,5 +44,10 @@ def test_the_estimate_rounds_like_the_blocks():
         r = round_like_runtime(t, p, "forward")
         assert r.shape == t.shape and not torch.equal(r, t)
     assert len(torch.unique(round_like_runtime(t, Precision.NVFP4, "forward")[0, :16].abs())) <= 8
-    bias = torch.randn(10)  # not a whole block: left as is (the kernels leave biases unrounded)
+    bias = torch.randn(32)  # 1-D: left as is (the kernels leave biases unrounded)
     assert torch.equal(round_like_runtime(bias, Precision.FP8_BLOCK, "forward"), bias)
+    narrow = torch.randn(4, 100)  # a partial tile, zero-padded as the emulation pads it
+    padded = torch.nn.functional.pad(narrow, (0, 28))
+    want = round_like_runtime(padded, Precision.FP8_BLOCK, "forward")[:, :100]
+    assert torch.equal(round_like_runtime(narrow, Precision.FP8_BLOCK, "forward"), want)
+    assert torch.equal(round_like_runtime(narrow, Precision.NVFP4, "forward"), narrow)
