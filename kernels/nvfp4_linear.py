@@ -145,10 +145,13 @@ def nvfp4_linear(
     Returns:
         (..., N) in ``input``'s dtype.
 
+    The rows M of ``input`` (the tokens) need not be a multiple of 16: they are padded with
+    zero rows to the next multiple and the output cut back, as TE's reference quantizer pads
+    (its CUDA kernels refuse such a count), so a last partial batch trains.
+
     Raises:
-        ValueError: mismatched shapes or dtypes, or a size a quantised GEMM blocks that is not a
-            multiple of 16: K (always), N (input gradient, or 16x16 weight tiles), M (the rows
-            of ``input``, for the weight gradient).
+        ValueError: mismatched shapes or dtypes, or K or N not a multiple of 16 where a
+            quantised GEMM blocks it: K (always), N (input gradient, or 16x16 weight tiles).
     """
     if not isinstance(options, NVFP4Options):
         raise ValueError(f"options must be an NVFP4Options, got {type(options).__name__}")
@@ -157,7 +160,12 @@ def nvfp4_linear(
     fwd, dgrad = "output" not in hp, grads and "grad_input" not in hp
     wgrad = grads and weight.requires_grad and "grad_weight" not in hp
     # K: blocks of the forward GEMM or the weight's 16x16 tiles; N likewise; M: the wgrad's
-    blocked = (fwd or (dgrad and two_d), dgrad or (fwd and two_d), wgrad)
+    blocked = (fwd or (dgrad and two_d), dgrad or (fwd and two_d), False)
     check_block_linear("nvfp4_linear", input, weight, NVFP4_BLOCK_SIZE, blocked, "TE's NVFP4")
-    out = NVFP4LinearFunction.apply(input, weight, options, generator)
+    rows = input.reshape(-1, input.shape[-1])
+    pad = (-rows.shape[0]) % NVFP4_BLOCK_SIZE if wgrad else 0
+    if pad:
+        rows = torch.nn.functional.pad(rows, (0, 0, 0, pad))
+    out = NVFP4LinearFunction.apply(rows, weight, options, generator)
+    out = out[: out.shape[0] - pad].reshape(*input.shape[:-1], weight.shape[0])
     return out if bias is None else out + bias.to(out.dtype)

@@ -382,8 +382,6 @@ def test_linear_shapes_bias_and_dtypes():
 @pytest.mark.parametrize(
     ("call", "message"),
     [
-        (lambda: nvfp4_linear(torch.ones(8, 32), torch.ones(16, 32, requires_grad=True)),
-         "M \\(rows of input\\) = 8 is not a multiple of 16"),
         (lambda: nvfp4_linear(torch.ones(16, 24), torch.ones(16, 24)), "K \\(in_features\\) = 24"),
         (lambda: nvfp4_linear(torch.ones(16, 32), torch.ones(8, 32)), "N \\(out_features\\) = 8"),
         (lambda: nvfp4_linear(torch.ones(16, 32), torch.ones(16, 16)), "weight \\(N, K\\)"),
@@ -420,3 +418,20 @@ def test_quantize_is_the_one_e2m1_rounding():
     which agrees with TE's threshold table on every midpoint and grid value."""
     v = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.3, 5.9, 6.0, -0.25, -2.6])
     assert torch.equal(quantize(v, "fp4_e2m1", saturate=True), te_e2m1(v.double()).float())
+
+
+def test_a_token_count_off_the_blocks_is_padded_with_zero_rows():
+    """M not a multiple of 16 (a last partial batch): the layer equals the same layer on the
+    input padded with zero rows, cut back, in the output and both gradients (TE's reference
+    quantizer pads so; its kernels refuse), stochastic rounding included."""
+    torch.manual_seed(3)
+    x = torch.randn(8, 32, requires_grad=True)
+    w = torch.randn(16, 32, requires_grad=True)
+    out = nvfp4_linear(x, w, generator=torch.Generator().manual_seed(1))
+    dy = torch.randn_like(out)
+    gx, gw = torch.autograd.grad(out, (x, w), dy)
+    xp = torch.nn.functional.pad(x.detach(), (0, 0, 0, 8)).requires_grad_()
+    wp = w.detach().clone().requires_grad_()
+    padded = nvfp4_linear(xp, wp, generator=torch.Generator().manual_seed(1))
+    gxp, gwp = torch.autograd.grad(padded, (xp, wp), torch.nn.functional.pad(dy, (0, 0, 0, 8)))
+    assert torch.equal(out, padded[:8]) and torch.equal(gx, gxp[:8]) and torch.equal(gw, gwp)
