@@ -222,9 +222,9 @@ def hand_rules_left_out(problem: Problem) -> list[tuple[str, str]]:
     """``(name, why)`` of the rules whose precision the problem offers but that lower no layer
     of this model (e.g. ``nvfp4-last4-bf16`` on a model of 4 blocks): they are AMP here."""
     n_blocks = len(set(_blocks(problem.layers()).values()))
-    why = "no layer of this model ({} numbered blocks, {} layers) in {}: blanket AMP here"
+    why = "no layer in {} on this model ({} blocks): blanket AMP"
     return [
-        (name, why.format(n_blocks, len(problem.layers()), precision))
+        (name, why.format(precision, n_blocks))
         for name, precision, chosen in _picks(problem)
         if not chosen
     ]

@@ -1,5 +1,5 @@
 """The real evaluations of a search beside the agent's: where they run, and the
-comparisons every search prints (the target's AMP, the hand-written fp8 rules).
+comparisons every search prints (the target's AMP, the hand-written rules).
 
 On a CPU the evaluations run side by side in worker processes (``workers``;
 :mod:`autoprec.evaluate.pool`): AMP and the hand rules start while the sensitivities are
@@ -64,7 +64,7 @@ def comparisons(
     problem: Problem, phase: Callable[[str], AbstractContextManager[None]]
 ) -> tuple[Metrics, list[tuple[str, Metrics, float]]]:
     """The real metrics of the target's blanket AMP policy, and ``(name, metrics, reward)`` of
-    each hand-written fp8 rule that applies (:mod:`autoprec.agents.hand_rules`), for the
+    each hand-written rule that applies (:mod:`autoprec.agents.hand_rules`), for the
     comparison printed beside the searched policy; each is cached if the agent tried it. They
     run as ``phase("AMP comparison")`` and ``phase("hand rules")`` (which time them and say
     they are working while they run)."""

@@ -51,8 +51,10 @@ class Found:
         policy: its best policy, ready to save (None: no real evaluation finished).
         amp: the metrics of the target's AMP (None: not compared, e.g. interrupted).
         amp_reward: AMP's reward under the search's reward.
-        rules: ``(name, metrics, reward)`` of the hand-written fp8 rules, compared with the
-            best policy in one line.
+        rules: ``(name, metrics, reward)`` of the hand-written rules, compared with the best
+            policy in one line and listed one per line.
+        rules_left_out: ``(name, why)`` of the hand rules that lower no layer of this model
+            (:func:`autoprec.agents.hand_rules.hand_rules_left_out`), listed after them.
     """
 
     result: SearchResult
@@ -60,6 +62,7 @@ class Found:
     amp: Metrics | None = None
     amp_reward: float | None = None
     rules: Sequence[tuple[str, Metrics, float]] = ()
+    rules_left_out: Sequence[tuple[str, str]] = ()
 
 
 @dataclass
@@ -149,6 +152,8 @@ class Exporter:
             self._say("amp", self._compare_with_amp(best, found.amp, found.amp_reward))
         if found.rules:
             self._say("hand_rules", self._compare_with_rules(best, found.rules))
+        for text in _rule_lines(found.rules, found.rules_left_out):
+            self.line(text)
         if self.pareto_dir:
             self._write_pareto(result, self.pareto_dir)
         return out
@@ -185,14 +190,14 @@ class Exporter:
         )
 
     def _compare_with_rules(self, best: Trial, rules: Sequence[tuple[str, Metrics, float]]) -> str:
-        """One line: the best hand-written fp8 rule under the reward, and whether the searched
+        """One line: the best hand-written rule under the reward, and whether the searched
         policy beats it."""
         from rich.markup import escape
 
         name, m, reward = max(rules, key=lambda r: r[2])
         verdict = "better than" if best.reward > reward else "[yellow]not better than[/]"
         return (
-            f"{verdict} the best of {len(rules)} hand-written fp8 rules, {escape(name)} "
+            f"{verdict} the best of {len(rules)} hand-written rules, {escape(name)} "
             f"({m.speedup:.2f}x, loss delta {m.loss_delta:+.4f}, reward {reward:.3f})"
         )
 
@@ -212,3 +217,24 @@ class Exporter:
         write_csv(folder / "pareto.csv", rows)
         self.written["pareto"] = folder / "pareto.csv"
         self.line(f"{len(rows)} Pareto policies -> {escape(str(folder))}")
+
+
+def _rule_lines(
+    rules: Sequence[tuple[str, Metrics, float]], left_out: Sequence[tuple[str, str]]
+) -> list[str]:
+    """Every hand rule on a line of its own: its speedup and memory under the cost model, its
+    loss delta and its reward, then the rules left out and why (rich markup escaped)."""
+    from rich.markup import escape
+
+    if not rules and not left_out:
+        return []
+    width = max(len(name) for name, *_ in [*rules, *left_out])
+    out = ["hand rules (speedup, memory, loss delta, reward):"]
+    for name, m, reward in rules:
+        flag = " (diverged)" if m.diverged else "" if m.feasible else " (not runnable)"
+        out.append(
+            f"  {escape(name):<{width}}  {m.speedup:.2f}x  {m.memory_ratio:.2f}x  "
+            f"{m.loss_delta:+.4f}  {reward:.3f}{flag}"
+        )
+    out += [f"  {escape(name):<{width}}  left out: {escape(why)}" for name, why in left_out]
+    return out

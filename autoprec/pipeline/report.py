@@ -45,7 +45,7 @@ class SearchReport:
         policy_path: where it was written (None: not written).
         amp: the comparison with the target's blanket AMP (None: not compared, e.g.
             interrupted).
-        hand_rules: the comparison with the best hand-written fp8 rule (None: none applies).
+        hand_rules: the comparison with the best hand-written rule (None: none applies).
         rules: ``(name, metrics, reward)`` of every hand rule that applies.
         written: every file written, by what it holds (``policy``, ``trials``, ``pareto``).
         phase_times: seconds per phase, by the names ``autoprec search`` prints on its

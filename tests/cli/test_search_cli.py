@@ -186,7 +186,7 @@ def test_search_reports_the_best_hand_written_fp8_rule(tmp_path, capsys):
     assert "hand rules:" in err  # the phase: the rules were evaluated
     text = " ".join(err.split())  # the console wraps long lines
     line = text[text.index("the best of") :]
-    assert "hand-written fp8 rules" in line and "reward" in line
+    assert "hand-written rules" in line and "reward" in line
     # at these tiny shapes fp8's casts cost more than its GEMMs save: the rule is slower than
     # fp32, and a search with any sense beats it
     assert "better than the best of" in text and "not better than" not in text
