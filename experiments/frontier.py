@@ -4,7 +4,7 @@ The ground truth of experiments/full_training.py (the same options, the same cac
 every policy of its set -- the target's hand rules (``--hand-rules``), the uniform formats and
 random per-layer mixes -- trained ``--seeds`` times for ``--steps`` steps. Here each is also
 priced (the evaluator's cost model at ``--train-shape``: speedup and memory against fp32) and
-scored by the search's reward with its *full-training* final-loss delta in place of the
+scored by the search's reward with its *full-training* loss delta (``--truth``) in place of the
 fine-tuning one (:class:`autoprec.evaluate.RewardConfig`, default weights and tolerance).
 
 Then each agent of ``--agents`` searches with ``--budget`` real evaluations at the evaluator's
@@ -43,6 +43,10 @@ class Args(ft.Args):
     agents: list[str] = field(default_factory=lambda: list(DEFAULT_AGENTS))
     budget: int = field(default=16, metadata={"help": "real evaluations per agent"})
     search_seed: int = 0
+    truth: str = field(
+        default="final_loss",
+        metadata={"help": "the full-training delta judged: final_loss, run_loss or val_loss"},
+    )
     fidelities: list[str] = field(default_factory=list)
 
     @property
@@ -60,21 +64,21 @@ def truth_reward(metrics: Any, loss_delta: float) -> float:
     return RewardConfig()(dataclasses.replace(metrics, loss_delta=loss_delta))
 
 
-def row(name: str, metrics: Any, truth: dict) -> dict[str, Any]:
-    per_seed = truth["per_seed"]["final_loss"]
+def row(name: str, metrics: Any, truth: dict, target: str) -> dict[str, Any]:
     return {
         "policy": name,
         "speedup": metrics.speedup,
         "memory": metrics.memory_ratio,
         "fidelity_delta": metrics.loss_delta,
-        "truth_delta": truth["final_loss"],
-        "per_seed": per_seed,
-        "reward": truth_reward(metrics, truth["final_loss"]),
+        "truth_delta": truth[target],
+        "per_seed": truth["per_seed"][target],
+        "reward": truth_reward(metrics, truth[target]),
     }
 
 
 def beats(mine: dict, rule: dict) -> bool:
-    """At least as fast and no worse a final loss (one strictly better), or a higher reward."""
+    """At least as fast and a full-training loss no worse (one strictly better), or a higher
+    reward."""
     faster = mine["speedup"] >= rule["speedup"] and mine["truth_delta"] <= rule["truth_delta"]
     strictly = mine["speedup"] > rule["speedup"] or mine["truth_delta"] < rule["truth_delta"]
     return (faster and strictly) or mine["reward"] > rule["reward"]
@@ -88,7 +92,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     policies = ft.choose_policies(args, problem)
     print(f"{len(policies)} policies of {args.model} on {args.dataset}", flush=True)
     truth = ft.ground_truth(args, problem, policies, cache)
-    rows = {n: row(n, priced(problem, a), truth[n]) for n, a in policies.items()}
+    rows = {n: row(n, priced(problem, a), truth[n], args.truth) for n, a in policies.items()}
     exports: dict[str, dict] = {}
     for agent in args.agents:
         t = time.perf_counter()
@@ -102,14 +106,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         runs = [ft.full_run(args, problem, assignment, s, cache) for s in range(args.seeds)]
         reference = truth["fp32"]["reference"]
         got = {
-            "final_loss": ft.delta("final_loss", runs, reference),
+            args.truth: ft.delta(args.truth, runs, reference),
             "per_seed": {
-                "final_loss": [
-                    ft.delta("final_loss", [r], [f]) for r, f in zip(runs, reference, strict=True)
+                args.truth: [
+                    ft.delta(args.truth, [r], [f]) for r, f in zip(runs, reference, strict=True)
                 ]
             },
         }
-        exports[agent] = row(f"{agent} export", best.metrics, got)
+        exports[agent] = row(f"{agent} export", best.metrics, got, args.truth)
         exports[agent]["policy_map"] = assignment
         exports[agent]["search_s"] = time.perf_counter() - t
         print(f"{agent}: {exports[agent]['search_s']:.0f} s", flush=True)
@@ -134,8 +138,8 @@ def report(args: Args, policies: dict, rows: dict, exports: dict, truth: dict, w
     rules = {n: r for n, r in rows.items() if n.startswith("rule ")}
     uniform = {n: r for n, r in rows.items() if len(set(policies[n].values())) == 1}
     best_mix = max(rows.values(), key=lambda r: r["reward"])
-    header = ["policy", "speedup", "memory", "fidelity loss delta",
-              "full-training loss delta (per seed)", "reward"]  # fmt: skip
+    judged = f"full-training {ft.TARGET_LABELS[args.truth]} delta (per seed)"
+    header = ["policy", "speedup", "memory", "fidelity loss delta", judged, "reward"]
     listed = [*rules.values(), *uniform.values()]
     if best_mix["policy"] not in rules and best_mix["policy"] not in uniform:
         listed.append(best_mix)
@@ -157,11 +161,12 @@ def report(args: Args, policies: dict, rows: dict, exports: dict, truth: dict, w
         provenance_lines(ft.invocation(__file__)),
         f"{len(policies)} policies (the {args.target} hand rules, uniform formats and random "
         f"mixes of {', '.join(args.precisions)}) trained {ft.training_words(args)}, "
-        f"{args.seeds} seeds; fp32's final loss per seed: "
-        + ", ".join(f"{r['final_loss']:.4f}" for r in fp32)
+        f"{args.seeds} seeds; fp32's {ft.TARGET_LABELS[args.truth]} per seed: "
+        + ", ".join(f"{r[args.truth]:.4f}" for r in fp32)
+        + f". Full-training delta: {ft.TARGET_LABELS[args.truth]} (relative, mean over seeds)"
         + f". Speed and memory: the cost model on {args.target} at "
         f"{args.train_shape or 'the fine-tuning shape'} (against fp32). Reward: the search's, "
-        "with the full-training final-loss delta (mean over seeds) in place of the evaluator's. "
+        "with that full-training delta in place of the evaluator's. "
         "Fidelity loss delta: the evaluator's at its default fidelity.",
         "",
         md_table(header, [_fmt(r) for r in listed]),

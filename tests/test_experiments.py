@@ -506,3 +506,37 @@ def test_bench_scoring_quick(tmp_path):
         assert _num(r["order noise (sd)"]) > 0 and _num(r["spread (sd)"]) > 0
         assert -1.0 <= _num(r["repeatability"]) <= 1.0
         assert len(r["loss delta of uniform tf32 / bf16 / fp16"].split(" / ")) == 3
+
+
+def test_frontier_quick(tmp_path):
+    """experiments/frontier.py: the ground truth's policies priced and scored with their
+    full-training loss, and an agent's export trained alike and judged against the rules."""
+    section = _section(
+        _run(
+            "frontier.py",
+            tmp_path,
+            "--quick",
+            "--agents",
+            "random",
+            "--budget",
+            "2",
+            "--hand-rules",
+        ),  # fmt: skip
+        "frontier_tinycnn",
+    )
+    _provenance_ok(section)
+    policies, agents = _tables(section)
+    assert {r["policy"] for r in policies} >= {"`fp32 fp32 fp32 fp32`", "`bf16 bf16 bf16 bf16`"}
+    (random_row,) = agents
+    assert random_row["agent"] == "random" and _num(random_row["speedup"]) > 0
+    assert random_row["against the hand rules"] == "no hand rule applies"  # no fp8 in quick
+
+
+def test_frontier_judges_an_export_against_a_rule_by_speed_and_loss_or_reward():
+    frontier = _load_script("frontier")
+    rule = {"speedup": 1.3, "truth_delta": 0.02, "reward": 0.1}
+    assert frontier.beats({"speedup": 1.3, "truth_delta": 0.01, "reward": 0.0}, rule)
+    assert frontier.beats({"speedup": 1.4, "truth_delta": 0.02, "reward": 0.0}, rule)
+    assert not frontier.beats({"speedup": 1.3, "truth_delta": 0.02, "reward": 0.1}, rule)
+    assert not frontier.beats({"speedup": 1.4, "truth_delta": 0.03, "reward": 0.05}, rule)
+    assert frontier.beats({"speedup": 1.2, "truth_delta": 0.03, "reward": 0.2}, rule)
