@@ -65,10 +65,11 @@ GRAD_FORMATS = ("nvfp4", "mxfp8")
 
 @dataclass
 class Args:
-    steps: int = 800
+    model: str = field(default="llama", metadata={"help": "a zoo llama: llama or llama-small"})
+    steps: int = 300
     batch_size: int = 32
     lr: float = 3e-3
-    warmup_steps: int = 50
+    warmup_steps: int = 30
     weight_decay: float = 0.1
     beta2: float = 0.95
     windows: int = field(
@@ -77,17 +78,24 @@ class Args:
     val_windows: int = field(default=1024, metadata={"help": "validation windows scored"})
     measure_batches: int = field(default=4, metadata={"help": "validation batches measured"})
     seed: int = 0
-    checkpoint: Path = RESULTS / "llama-python-text-fp32.pt"
+    checkpoint: Path | None = field(
+        default=None, metadata={"help": "default: results/lm/<model>-python-text-fp32.pt"}
+    )
     retrain: bool = False
     remeasure: bool = field(
         default=False,
         metadata={"help": "measure again although --csv holds the reused checkpoint's figures"},
     )
-    work_dir: Path = field(
-        default=Path("/tmp/autoprec-outliers"), metadata={"help": "resumable checkpoints"}
+    work_dir: Path | None = field(
+        default=None,
+        metadata={"help": "resumable checkpoints (default: /tmp/autoprec-outliers-<model>)"},
     )
-    curve_csv: Path = RESULTS / "llama-python-text-curve.csv"
-    csv: Path = RESULTS / "llama-python-text-outliers.csv"
+    curve_csv: Path | None = field(
+        default=None, metadata={"help": "default: results/lm/<model>-python-text-curve.csv"}
+    )
+    csv: Path | None = field(
+        default=None, metadata={"help": "default: results/lm/<model>-python-text-outliers.csv"}
+    )
     quick: bool = field(default=False, metadata={"help": "4 steps, 1 batch, outputs in /tmp"})
     write_docs: bool = False
     docs: Path = field(default=DOCS, metadata={"help": "the markdown file to write"})
@@ -376,7 +384,7 @@ def measure_both(args: Args, spec: Any, data: Any) -> tuple[dict, dict, dict[str
     batches = data.fixed_batches(args.measure_batches, args.batch_size, split="val", seed=0)
     start = time.perf_counter()
     trained = measure(spec.module, spec, batches)
-    init = measure(load_model("llama", seed=args.seed).module, spec, batches)
+    init = measure(load_model(args.model, seed=args.seed).module, spec, batches)
     measured = {"batches": args.measure_batches, "seconds": time.perf_counter() - start}
     rows = []
     for which, table in (("trained", trained), ("init", init)):
@@ -409,10 +417,18 @@ def main() -> None:
             checkpoint=tmp / "ckpt.pt", retrain=True, work_dir=tmp / "work",
             curve_csv=tmp / "curve.csv", csv=tmp / "outliers.csv",
         )  # fmt: skip
+    stem = RESULTS / f"{args.model}-python-text"
+    args = dataclasses.replace(
+        args,
+        checkpoint=args.checkpoint or Path(f"{stem}-fp32.pt"),
+        curve_csv=args.curve_csv or Path(f"{stem}-curve.csv"),
+        csv=args.csv or Path(f"{stem}-outliers.csv"),
+        work_dir=args.work_dir or Path(f"/tmp/autoprec-outliers-{args.model}"),
+    )
     for path in (args.checkpoint, args.curve_csv, args.csv):
         docs_output(path)
     torch.manual_seed(args.seed)
-    spec = load_model("llama", seed=args.seed)
+    spec = load_model(args.model, seed=args.seed)
     data = load_dataset_for(spec, "python-text", max_samples=args.windows)
     vx, vy = data.val.tensors
     keep = torch.linspace(0, len(vx) - 1, min(args.val_windows, len(vx))).round().long()
@@ -425,12 +441,12 @@ def main() -> None:
         trained, init, measured = measure_both(args, spec, data)
     corpus = data.metadata["corpus"]
     body = (
-        "## Activation outliers of the zoo llama trained on python-text\n\n"
+        f"## Activation outliers of the zoo {args.model} trained on python-text\n\n"
         + provenance(invocation(__file__))
         + f"Corpus: python-text, Python {corpus['python']}, {corpus['files']} files, "
         f"{corpus['bytes']:,} bytes, sha256 {corpus['sha256'][:16]}; {len(data.train):,} train "
         f"windows of 64 bytes, {len(data.val):,} validation windows scored.  \n"
-        f"Training: zoo llama (seed {args.seed}), fp32, AdamW lr {args.lr:g} (beta2 "
+        f"Training: zoo {args.model} (seed {args.seed}), fp32, AdamW lr {args.lr:g} (beta2 "
         f"{args.beta2:g}, weight decay {args.weight_decay:g}), {args.warmup_steps} warm-up steps, "
         f"cosine to 0, batch {args.batch_size}, {args.steps} steps"
         + (f" ({seconds / 60:.1f} min on this machine)" if seconds else "")
@@ -449,7 +465,7 @@ def main() -> None:
         "of sum x^2; relMSE: sum((q(x) - x)^2) / sum(x^2), blocked along the features; grad: "
         "the layer's output gradient.\n"
     )
-    publish("outliers", body, args)
+    publish("outliers" + ("" if args.model == "llama" else f"_{args.model}"), body, args)
 
 
 def _rel(path: Path) -> str:
