@@ -8,6 +8,7 @@ import functools
 import re
 
 import pytest
+import torch
 
 from autoprec.cli import main
 from autoprec.evaluate.config import EvaluatorConfig
@@ -41,6 +42,10 @@ def _private(tmp_path, monkeypatch):
     monkeypatch.setattr(llama, "DEFAULT_CONFIG", dataclasses.replace(tiny, seq_len=16))
     quick = functools.partial(EvaluatorConfig, warm_start_steps=2)
     monkeypatch.setattr("autoprec.pipeline.run.EvaluatorConfig", quick)
+    threads = torch.get_num_threads()  # OMP_NUM_THREADS is read when torch starts: too late
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.mark.slow
