@@ -112,6 +112,10 @@ class Args:
     warm_start_steps: int | None = field(
         default=None, metadata={"help": "the evaluator's fp32 warm start (default: its own)"}
     )
+    windows: int | None = field(
+        default=None,
+        metadata={"help": "examples the dataset keeps (its max_samples; default: its own)"},
+    )
     train_shape: str | None = field(
         default=None, metadata={"help": "production shape the costs are for (llama3-8b)"}
     )
@@ -144,10 +148,17 @@ class Args:
         return TrainingRecipe(optimizer=self.optimizer, lr=self.lr, batch_size=self.batch_size)
 
     @property
+    def data_options(self) -> dict[str, Any]:
+        """``load_dataset_for``'s options beyond the name and seed."""
+        return {} if self.windows is None else {"max_samples": self.windows}
+
+    @property
     def run_key(self) -> list[Any]:
         """What a full run's cache key adds for the recipe and the initial weights (nothing at
         the defaults, so runs cached before these options existed are found)."""
         extra: list[Any] = [] if self.optimizer == "sgd" else [self.optimizer]
+        if self.windows is not None:
+            extra.append(f"windows={self.windows}")
         if self.init_checkpoint is not None:
             extra.append(file_digest(self.init_checkpoint))
         return extra
@@ -176,7 +187,7 @@ def make_problem(args: Args, cache: Path, seed: int = 0, steps: int | None = Non
     """The evaluator (at its defaults, but for the seed and steps) as the agents see it."""
     spec = load_model(args.model, num_classes=10, image_size=args.size)
     load_initial(args, spec.module)
-    data = load_dataset_for(spec, args.dataset, seed=0)
+    data = load_dataset_for(spec, args.dataset, seed=0, **args.data_options)
     settings: dict[str, Any] = {"seed": seed, "target_mode": args.target_mode}
     if steps is not None:
         settings["steps"] = steps
@@ -305,7 +316,7 @@ def seeded(args: Args, seed: int) -> tuple[Any, Any]:
     if seed not in _SEEDED:
         spec = load_model(args.model, num_classes=10, image_size=args.size, seed=seed)
         load_initial(args, spec.module)
-        data = load_dataset_for(spec, args.dataset, seed=seed)
+        data = load_dataset_for(spec, args.dataset, seed=seed, **args.data_options)
         initial = {k: v.detach().clone() for k, v in spec.module.state_dict().items()}
         _SEEDED[seed] = (spec, data, initial)
     spec, data, initial = _SEEDED[seed]

@@ -80,3 +80,14 @@ def amp_policy(
         target=TargetInfo(device=spec.name, mode="auto"),
         provenance={"agent": f"amp-{p.value}"},
     )
+
+
+def search_precisions(device: DeviceSpec) -> tuple[str, ...]:
+    """The precisions a search offers on ``device`` without ``--precisions``: every format its
+    tensor cores run (in the database's order), and fp8 block scaling where they run fp8
+    (DeepSeek-V3's recipe, a format of its own: 1x128 and 128x128 blocks, like MXFP8's).
+    torchao's per-tensor and rowwise fp8 recipes beyond tensorwise stay opt-in."""
+    out = list(device.supported_precisions)
+    if "fp8" in out:
+        out.insert(out.index("fp8") + 1, Precision.FP8_BLOCK.value)
+    return tuple(out)

@@ -194,8 +194,10 @@ class _Run:
         device, fell_back = resolve_target(c.target)
         if fell_back:
             self.tell.line(fallback_note("optimising"))
+        from autoprec.hardware.defaults import search_precisions
+
         # every precision the target runs, in action order
-        shown = c.precisions or ",".join(device.supported_precisions)
+        shown = c.precisions or ",".join(search_precisions(device))
         precisions = tuple(p.strip() for p in shown.split(",") if p.strip())
         lacking = [p.value for p in map(parse_precision, precisions) if not device.supports(p)]
         if lacking:

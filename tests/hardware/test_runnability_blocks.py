@@ -87,3 +87,14 @@ def test_run_with_names_a_backend_and_recipe_for_every_precision():
     assert Precision.FP8_ROWWISE.run_with == ("torchao", "Float8LinearConfig rowwise")
     assert Precision.BF16.run_with == ("torch.autocast", "bf16")
     assert all(all(p.run_with) for p in Precision)
+
+
+def test_a_search_offers_fp8_block_where_the_target_runs_fp8_and_nvfp4_on_blackwell():
+    from autoprec.hardware.defaults import search_precisions
+
+    b200, h100, a100 = (get_device(n) for n in ("b200", "h100-sxm", "a100-80gb-sxm"))
+    assert search_precisions(b200) == (
+        "fp32", "tf32", "bf16", "fp16", "fp8", "fp8_block", "mxfp8", "nvfp4",
+    )  # fmt: skip
+    assert search_precisions(h100) == ("fp32", "tf32", "bf16", "fp16", "fp8", "fp8_block")
+    assert "fp8_block" not in search_precisions(a100)
