@@ -55,7 +55,8 @@ from autoprec.verify import DEFAULT_ARMS, WARM_START_LR, VerifyConfig, VerifyErr
     default=",".join(DEFAULT_ARMS),
     show_default=True,
     help="Reference arms beside the policy: fp32 (required), amp (the target's blanket AMP), "
-    "or precision names for uniform policies.",
+    "precision names for uniform policies, or policy files (e.g. the hand rules `search "
+    "--pareto-dir` writes under rules/).",
 )
 @click.option("--batch-size", type=int, default=32, show_default=True)
 @recipe_options(

@@ -8,7 +8,7 @@ folder (else the temporary folder, else printed on stdout) and the error says wh
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -55,6 +55,8 @@ class Found:
             policy in one line and listed one per line.
         rules_left_out: ``(name, why)`` of the hand rules that lower no layer of this model
             (:func:`autoprec.agents.hand_rules.hand_rules_left_out`), listed after them.
+        rule_policies: ``{name: {layer: precision}}`` of the rules in ``rules``, written as
+            policy files under ``pareto_dir/rules/`` (``autoprec verify --arms`` takes them).
     """
 
     result: SearchResult
@@ -63,6 +65,7 @@ class Found:
     amp_reward: float | None = None
     rules: Sequence[tuple[str, Metrics, float]] = ()
     rules_left_out: Sequence[tuple[str, str]] = ()
+    rule_policies: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -156,6 +159,7 @@ class Exporter:
             self.line(text)
         if self.pareto_dir:
             self._write_pareto(result, self.pareto_dir)
+            self._write_rules(found, self.pareto_dir / "rules")
         return out
 
     def _say(self, name: str, verdict: str) -> None:
@@ -201,6 +205,22 @@ class Exporter:
             f"({m.speedup:.2f}x, loss delta {m.loss_delta:+.4f}, reward {reward:.3f})"
         )
 
+    def _write_rules(self, found: Found, folder: Path) -> None:
+        """``rules/<name>.yaml``: each evaluated hand rule's policy, for ``autoprec verify
+        --arms`` (the search's export against the rules over whole runs)."""
+        from rich.markup import escape
+
+        from autoprec.agents.naming import file_safe
+        from autoprec.policy.io import save_policy
+
+        rules = [r for r in found.rules if r[0] in found.rule_policies]
+        for name, metrics, reward in rules:
+            policy = _rule_policy(found, name, metrics, reward, self.spec_module)
+            save_policy(policy, folder / f"{file_safe(name)}.yaml")
+        if rules:
+            self.written["rules"] = folder
+            self.line(f"{len(rules)} hand-rule policies -> {escape(str(folder))}")
+
     def _write_pareto(self, result: SearchResult, folder: Path) -> None:
         """``pareto_NNN.yaml`` per Pareto point and ``pareto.csv`` listing them."""
         from rich.markup import escape
@@ -217,6 +237,23 @@ class Exporter:
         write_csv(folder / "pareto.csv", rows)
         self.written["pareto"] = folder / "pareto.csv"
         self.line(f"{len(rows)} Pareto policies -> {escape(str(folder))}")
+
+
+def _rule_policy(
+    found: Found, name: str, metrics: Metrics, reward: float, spec_module: ModelSpec | nn.Module
+) -> PrecisionPolicy:
+    """Hand rule ``name``'s policy as a search exports its own (model, target, metrics)."""
+    from autoprec.agents.export import export_policy, layer_policy, policy_metrics
+    from autoprec.policy import TargetInfo
+
+    result = found.result
+    return export_policy(
+        layer_policy(found.rule_policies[name]),
+        spec_module,
+        target=TargetInfo(device=result.target, mode=result.target_mode) if result.target else None,
+        metrics={**policy_metrics(metrics), "reward": reward},
+        provenance={"agent": "hand rule", "rule": name},
+    )
 
 
 def _rule_lines(

@@ -382,11 +382,12 @@ class _Run:
         policy's path, None when no real evaluation finished."""
         begin = time.perf_counter()
         self.policy = self._best_policy(result, interrupted)
-        from autoprec.agents.hand_rules import hand_rules_left_out
+        from autoprec.agents.hand_rules import hand_rule_policies, hand_rules_left_out
 
         amp_reward = None if amp is None else self.problem.reward(amp)
         left_out = () if amp is None else hand_rules_left_out(self.problem)
-        found = Found(result, self.policy, amp, amp_reward, self.rules, left_out)
+        maps = dict(hand_rule_policies(self.problem)) if self.rules else {}
+        found = Found(result, self.policy, amp, amp_reward, self.rules, left_out, maps)
         written = self.exporter.export(found)
         self.phases["export"] = time.perf_counter() - begin
         return written

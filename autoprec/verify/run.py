@@ -43,6 +43,7 @@ import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import InitVar, dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 from autoprec.evaluate.reward import DEFAULT_TOLERANCE
@@ -141,8 +142,11 @@ class VerifyConfig:
             check_seed(seed, VerifyError)
         known = ("fp32", "amp", *PRECISION_NAMES)
         for arm in self.arms:
-            if arm not in known:
-                raise VerifyError(f"unknown arm {arm!r}; expected one of {', '.join(known)}")
+            if arm not in known and not is_policy_arm(arm):
+                raise VerifyError(
+                    f"unknown arm {arm!r}; expected one of {', '.join(known)}, or a policy file "
+                    "(.yaml, .yml, .json) that exists"
+                )
         if "fp32" not in self.arms or len(set(self.arms)) != len(self.arms):
             raise VerifyError(
                 f"the arms must include fp32 (the deltas are to it), each once; got "
@@ -175,14 +179,36 @@ class VerifyCallback(Protocol):
     def run_finished(self, run: RunResult) -> None: ...
 
 
+POLICY_SUFFIXES = (".yaml", ".yml", ".json")
+
+
+def is_policy_arm(arm: str) -> bool:
+    """Whether ``arm`` names a policy file (a hand rule's, another search's export)."""
+    return arm.lower().endswith(POLICY_SUFFIXES) and Path(arm).is_file()
+
+
 def arm_policy(arm: str, policy: PrecisionPolicy, target: Any) -> PrecisionPolicy:
-    """The policy an arm trains: the policy itself, fp32, the target's AMP or a uniform one."""
+    """The policy an arm trains: the policy itself, fp32, the target's AMP, a uniform one, or
+    the policy in a file (``autoprec search --pareto-dir`` writes each hand rule's under
+    ``rules/``).
+
+    Raises:
+        VerifyError: a policy file that cannot be read (the reason in one line).
+    """
     if arm == POLICY_ARM:
         return policy
     if arm == "amp":
         from autoprec.hardware.defaults import amp_policy
 
         return amp_policy(target)
+    if is_policy_arm(arm):
+        from autoprec.policy import PolicyError
+        from autoprec.policy.io import load_policy
+
+        try:
+            return load_policy(arm)
+        except PolicyError as err:
+            raise VerifyError(f"arm {arm}: {err}") from None
     return PrecisionPolicy.uniform(arm)
 
 
