@@ -76,12 +76,38 @@ def row(name: str, metrics: Any, truth: dict, target: str) -> dict[str, Any]:
     }
 
 
+def dominates(mine: dict, rule: dict) -> bool:
+    """At least as fast under the cost model and a full-training loss no worse, one of them
+    strictly better."""
+    no_worse = mine["speedup"] >= rule["speedup"] and mine["truth_delta"] <= rule["truth_delta"]
+    return no_worse and (
+        mine["speedup"] > rule["speedup"] or mine["truth_delta"] < rule["truth_delta"]
+    )
+
+
 def beats(mine: dict, rule: dict) -> bool:
-    """At least as fast and a full-training loss no worse (one strictly better), or a higher
-    reward."""
-    faster = mine["speedup"] >= rule["speedup"] and mine["truth_delta"] <= rule["truth_delta"]
-    strictly = mine["speedup"] > rule["speedup"] or mine["truth_delta"] < rule["truth_delta"]
-    return (faster and strictly) or mine["reward"] > rule["reward"]
+    """Dominates ``rule``, or has a higher reward (the search's own criterion)."""
+    return dominates(mine, rule) or mine["reward"] > rule["reward"]
+
+
+def verdict(mine: dict, rules: dict[str, dict]) -> str:
+    """Which rules the export dominates, which it beats by the reward only, which it does not."""
+    if not rules:
+        return "no hand rule applies"
+    won = [n for n, r in rules.items() if dominates(mine, r)]
+    reward = [n for n, r in rules.items() if not dominates(mine, r) and beats(mine, r)]
+    lost = [n for n, r in rules.items() if not beats(mine, r)]
+    parts = [f"dominates {len(won)} of {len(rules)}"]
+    if reward:
+        parts.append(
+            "higher reward only than " + ", ".join(n.removeprefix("rule ") for n in reward)
+        )
+    parts.append(
+        "beats every hand rule"
+        if not lost
+        else "loses to " + ", ".join(n.removeprefix("rule ") for n in lost)
+    )
+    return "; ".join(parts)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -145,15 +171,7 @@ def report(args: Args, policies: dict, rows: dict, exports: dict, truth: dict, w
         listed.append(best_mix)
     verdicts = []
     for agent, r in exports.items():
-        lost = [n for n, rule in rules.items() if not beats(r, rule)]
-        verdict = (
-            "no hand rule applies"
-            if not rules
-            else "beats every hand rule"
-            if not lost
-            else f"does not beat {', '.join(lost)}"
-        )
-        verdicts.append([agent, f"{r['search_s']:.0f}", *_fmt(r)[1:], verdict])
+        verdicts.append([agent, f"{r['search_s']:.0f}", *_fmt(r)[1:], verdict(r, rules)])
     fp32 = truth["fp32"]["reference"]
     lines = [
         f"## The export against the hand rules, by full training ({args.model} on {args.dataset})",

@@ -540,3 +540,7 @@ def test_frontier_judges_an_export_against_a_rule_by_speed_and_loss_or_reward():
     assert not frontier.beats({"speedup": 1.3, "truth_delta": 0.02, "reward": 0.1}, rule)
     assert not frontier.beats({"speedup": 1.4, "truth_delta": 0.03, "reward": 0.05}, rule)
     assert frontier.beats({"speedup": 1.2, "truth_delta": 0.03, "reward": 0.2}, rule)
+    assert not frontier.dominates({"speedup": 1.2, "truth_delta": 0.03, "reward": 0.2}, rule)
+    rules = {"rule a": rule, "rule b": {"speedup": 1.0, "truth_delta": 0.0, "reward": 0.3}}
+    text = frontier.verdict({"speedup": 1.3, "truth_delta": 0.01, "reward": 0.2}, rules)
+    assert text == "dominates 1 of 2; loses to b"
