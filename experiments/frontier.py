@@ -118,7 +118,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     policies = ft.choose_policies(args, problem)
     print(f"{len(policies)} policies of {args.model} on {args.dataset}", flush=True)
     truth = ft.ground_truth(args, problem, policies, cache)
-    rows = {n: row(n, priced(problem, a), truth[n], args.truth) for n, a in policies.items()}
     exports: dict[str, dict] = {}
     for agent in args.agents:
         t = time.perf_counter()
@@ -143,6 +142,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         exports[agent]["policy_map"] = assignment
         exports[agent]["search_s"] = time.perf_counter() - t
         print(f"{agent}: {exports[agent]['search_s']:.0f} s", flush=True)
+    rows = {n: row(n, priced(problem, a), truth[n], args.truth) for n, a in policies.items()}
     body = report(args, policies, rows, exports, truth, time.perf_counter() - start)
     publish(args.section, body, args, path=args.docs)
     return {"rows": rows, "exports": exports}
