@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -85,6 +86,12 @@ def dominates(mine: dict, rule: dict) -> bool:
     )
 
 
+def _same(mine: dict, rule: dict) -> bool:
+    """The same policy (the same speed and the same full-training runs)."""
+    seeds = mine.get("per_seed")
+    return seeds is not None and mine["speedup"] == rule["speedup"] and seeds == rule["per_seed"]
+
+
 def beats(mine: dict, rule: dict) -> bool:
     """Dominates ``rule``, or has a higher reward (the search's own criterion)."""
     return dominates(mine, rule) or mine["reward"] > rule["reward"]
@@ -94,10 +101,13 @@ def verdict(mine: dict, rules: dict[str, dict]) -> str:
     """Which rules the export dominates, which it beats by the reward only, which it does not."""
     if not rules:
         return "no hand rule applies"
+    same = [n for n, r in rules.items() if _same(mine, r)]
+    rules = {n: r for n, r in rules.items() if n not in same}
     won = [n for n, r in rules.items() if dominates(mine, r)]
     reward = [n for n, r in rules.items() if not dominates(mine, r) and beats(mine, r)]
     lost = [n for n, r in rules.items() if not beats(mine, r)]
-    parts = [f"dominates {len(won)} of {len(rules)}"]
+    parts = [f"is {', '.join(n.removeprefix('rule ') for n in same)}"] if same else []
+    parts.append(f"dominates {len(won)} of {len(rules)}")
     if reward:
         parts.append(
             "higher reward only than " + ", ".join(n.removeprefix("rule ") for n in reward)
@@ -160,14 +170,42 @@ def _fmt(r: dict) -> list[str]:
     ]
 
 
+def label(name: str, policy: dict[str, str]) -> str:
+    """A policy's short name: the rule's, ``uniform nvfp4``, or the count of each format."""
+    if name.startswith("rule "):
+        return name
+    counts = Counter(policy.values())
+    if len(counts) == 1:
+        return f"uniform {next(iter(counts))}"
+    return "mix " + " ".join(f"{p}:{n}" for p, n in sorted(counts.items()))
+
+
+def dominators(rows: dict, rules: dict) -> list[list[str]]:
+    """Per rule: how many of the set's policies dominate it, and the fastest of them."""
+    out = []
+    for name, rule in rules.items():
+        better = [r for r in rows.values() if dominates(r, rule)]
+        fastest = max(better, key=lambda r: r["speedup"], default=None)
+        best = "-" if fastest is None else f"`{fastest['policy']}` ({fastest['speedup']:.2f}x, "
+        best += "" if fastest is None else f"{fastest['truth_delta']:+.4f})"
+        out.append([f"`{name}`", str(len(better)), best])
+    return out
+
+
 def report(args: Args, policies: dict, rows: dict, exports: dict, truth: dict, wall: float) -> str:
+    rows = {n: {**r, "policy": label(n, policies[n])} for n, r in rows.items()}
     rules = {n: r for n, r in rows.items() if n.startswith("rule ")}
-    uniform = {n: r for n, r in rows.items() if len(set(policies[n].values())) == 1}
+    uniform = {
+        n: r
+        for n, r in rows.items()
+        if len(set(policies[n].values())) == 1 and n not in rules
+        and all(policies[n] != policies[m] for m in rules)
+    }  # fmt: skip
     best_mix = max(rows.values(), key=lambda r: r["reward"])
     judged = f"full-training {ft.TARGET_LABELS[args.truth]} delta (per seed)"
     header = ["policy", "speedup", "memory", "fidelity loss delta", judged, "reward"]
     listed = [*rules.values(), *uniform.values()]
-    if best_mix["policy"] not in rules and best_mix["policy"] not in uniform:
+    if all(best_mix is not r for r in listed):
         listed.append(best_mix)
     verdicts = []
     for agent, r in exports.items():
@@ -190,7 +228,10 @@ def report(args: Args, policies: dict, rows: dict, exports: dict, truth: dict, w
         md_table(header, [_fmt(r) for r in listed]),
         "",
         f"Best policy of the set under this reward: `{best_mix['policy']}` "
-        f"({best_mix['reward']:.3f}).",
+        f"({best_mix['reward']:.3f}). Policies of the set that dominate each rule (at least "
+        "as fast under the cost model and a full-training delta no worse, one strictly):",
+        "",
+        md_table(["rule", "dominated by", "the fastest of them"], dominators(rows, rules)),
     ]
     if verdicts:
         lines += [
@@ -198,7 +239,9 @@ def report(args: Args, policies: dict, rows: dict, exports: dict, truth: dict, w
             f"Each agent searched with {args.budget} real evaluations (seed "
             f"{args.search_seed}); its export trained like the ground truth:",
             "",
-            md_table(["agent", "search (s)", *header[1:], "against the hand rules"], verdicts),
+            md_table(
+                ["agent", "search (s, this run)", *header[1:], "against the hand rules"], verdicts
+            ),
         ]
     lines += ["", f"Wall time of this run: {wall:.0f} s (cached runs are read back)."]
     return "\n".join(lines) + "\n"
