@@ -209,10 +209,10 @@ def load_initial(args: Args, module: Any) -> None:
     """``--init-checkpoint``'s weights into ``module`` (nothing without one)."""
     if args.init_checkpoint is None:
         return
-    import torch
+    from autoprec.training.checkpoint import load_model_weights, read_model_weights
 
-    state = torch.load(args.init_checkpoint, map_location="cpu", weights_only=True)
-    module.load_state_dict(state.get("model", state))
+    path = args.init_checkpoint
+    load_model_weights(module, read_model_weights(path, ValueError), path, ValueError)
 
 
 def file_digest(path: Path) -> str:
