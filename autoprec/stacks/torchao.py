@@ -1,0 +1,192 @@
+"""torchao: a policy as ``convert_to_float8_training`` calls, one per recipe, plus an autocast.
+
+A policy that mixes torchao's float8 recipes converts group by group: for each recipe a
+``Float8LinearConfig.from_recipe_name(recipe)`` and a ``module_filter_fn(module, fqn)`` that
+matches exactly that group's layer names (the native runtime's conversion,
+:class:`autoprec.runtime.native.Float8Swap`, is the same calls). Every other layer runs in one
+``torch.autocast`` region of the policy's 16-bit format (none when it has none). What that
+program cannot run is refused in one line before any training: a layer at another format than
+the region's (an fp32 layer in a bf16 policy: native mode's per-layer rules), a block-scaled
+layer (mxfp8, fp8_block, nvfp4: export to torchtitan or Megatron), an fp8 layer torchao rejects
+(not an ``nn.Linear``, features not multiples of 16).
+
+On CUDA torchao's ``Float8Linear`` casts its input to autocast's dtype, as the native runtime
+does everywhere; on a CPU it does not (it reads CUDA's autocast state), so a bf16 region with
+fp8 layers runs the same modules and recipes there, but not the same bits.
+
+Example:
+    >>> export = apply_torchao(model, "best_policy.yaml")  # converts and checks
+    >>> with export.autocast("cuda"):
+    ...     loss = loss_fn(model(x), y)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from autoprec.precision import FLOAT8_RECIPES, Precision
+from autoprec.stacks.check import AUTOCAST_DTYPES, check_stack
+from autoprec.stacks.plan import StackError, StackPlan, plan_for, shown
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autoprec.policy.precision_policy import PolicyLike
+
+__all__ = ["Float8Group", "TorchaoExport", "apply_torchao", "torchao_export"]
+
+
+@dataclass(frozen=True)
+class Float8Group:
+    """The layers of one torchao float8 recipe: its config and its module filter."""
+
+    recipe: str
+    fqns: frozenset[str]
+
+    def config(self):  # -> torchao.float8.Float8LinearConfig
+        """``Float8LinearConfig.from_recipe_name(recipe)``."""
+        from torchao.float8 import Float8LinearConfig
+
+        return Float8LinearConfig.from_recipe_name(self.recipe)
+
+    def module_filter_fn(self, module: nn.Module, fqn: str) -> bool:
+        """torchao's filter: True for exactly this group's layers."""
+        return fqn in self.fqns
+
+
+@dataclass(frozen=True)
+class TorchaoExport:
+    """What torchao and autocast do for a policy on one model.
+
+    Attributes:
+        plan: the policy read against the model.
+        groups: one :class:`Float8Group` per recipe, recipes sorted.
+        autocast_dtype: the autocast region's dtype, None for none.
+    """
+
+    plan: StackPlan
+    groups: tuple[Float8Group, ...]
+    autocast_dtype: torch.dtype | None
+
+    def convert(self, model: nn.Module) -> nn.Module:
+        """Swap the fp8 layers of ``model`` for torchao ``Float8Linear`` modules, one
+        ``convert_to_float8_training`` call per recipe; returns ``model``."""
+        from torchao.float8 import convert_to_float8_training
+
+        for group in self.groups:
+            convert_to_float8_training(
+                model, config=group.config(), module_filter_fn=group.module_filter_fn
+            )
+        return model
+
+    def autocast(self, device_type: str) -> contextlib.AbstractContextManager:
+        """The region the forward runs in: ``torch.autocast(device_type, dtype)`` or nothing."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type, dtype=self.autocast_dtype)
+
+    def snippet(self, source: str) -> str:
+        """Python a user pastes into a training script: ``FP8_LAYERS``, ``AUTOCAST_DTYPE``,
+        ``convert_model(model)`` and ``autocast(device_type)``; ``source`` names the policy."""
+        layers = {g.recipe: sorted(g.fqns) for g in self.groups}
+        dtype = "None" if self.autocast_dtype is None else str(self.autocast_dtype)
+        return f'''\
+# torchao float8 training for {source}, written by `autoprec export --to torchao`.
+import contextlib
+
+import torch
+from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+# torchao recipe -> the layers it converts (every other layer runs under AUTOCAST_DTYPE)
+FP8_LAYERS = {json.dumps(layers, indent=4)}
+AUTOCAST_DTYPE = {dtype}
+
+
+def convert_model(model):
+    """Swap the policy's fp8 layers for torchao Float8Linear, one call per recipe."""
+    for recipe, fqns in FP8_LAYERS.items():
+        convert_to_float8_training(
+            model,
+            config=Float8LinearConfig.from_recipe_name(recipe),
+            module_filter_fn=lambda module, fqn, fqns=frozenset(fqns): fqn in fqns,
+        )
+    return model
+
+
+def autocast(device_type):
+    """The region the forward runs in (`with autocast("cuda"): loss = ...`)."""
+    if AUTOCAST_DTYPE is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=AUTOCAST_DTYPE)
+'''
+
+
+def torchao_export(model: nn.Module, policy: PolicyLike) -> TorchaoExport:
+    """What torchao and autocast must do for ``policy`` on ``model`` (nothing is converted).
+
+    Raises:
+        PolicyMismatchError: the policy names a module ``model`` does not have.
+        StackError: the policy needs what this program cannot express (module docstring).
+        NotRunnableError: an fp8 layer torchao's ``Float8Linear`` rejects.
+    """
+    plan = plan_for(model, policy)
+    refuse_unswappable(plan, "torchao")
+    plan.refuse_off_region("torchao with torch.autocast", FLOAT8_RECIPES)
+    groups = tuple(
+        Float8Group(recipe, frozenset(fqns)) for recipe, fqns in plan.fp8_groups().items()
+    )
+    return TorchaoExport(plan, groups, AUTOCAST_DTYPES.get(plan.region or ""))
+
+
+def refuse_unswappable(plan: StackPlan, stack: str) -> None:
+    """Refuse the block-scaled layers (no torchao float8 recipe) and the fp8 layers torchao's
+    ``Float8Linear`` rejects (the runnability table's rule, read by the native runtime's
+    check).
+
+    Raises:
+        StackError: block-scaled layers, naming them and the stacks that run them.
+        NotRunnableError: an fp8 layer that is not an ``nn.Linear`` of features % 16.
+    """
+    block = plan.layers_at(Precision.MXFP8, Precision.FP8_BLOCK, Precision.NVFP4)
+    if block:
+        formats = sorted({plan.precisions[n].value for n in block})
+        raise StackError(
+            f"{stack} exports torchao's float8 recipes; {len(block)} layer(s) are "
+            f"block-scaled ({', '.join(formats)}): {shown(block)}; export those with --to "
+            "megatron (Transformer Engine) or, mxfp8 alone, --to torchtitan"
+        )
+
+
+def check_fp8_shapes(model: nn.Module, plan: StackPlan) -> None:
+    """The native runtime's check of the fp8 layers' module kinds and shapes, on any device.
+
+    Raises:
+        NotRunnableError: a layer torchao's ``Float8Linear`` rejects (one line).
+    """
+    from autoprec.runtime.native import check_native, local_device
+
+    modules = dict(model.named_modules())
+    fp8 = {n: (modules[n], p) for n, p in plan.precisions.items() if p.is_fp8}
+    check_native(fp8, local_device("cpu"), "cpu")
+
+
+def apply_torchao(model: nn.Module, policy: PolicyLike) -> TorchaoExport:
+    """Convert ``model`` for ``policy`` with torchao and check every module against it.
+
+    Returns:
+        The :class:`TorchaoExport`; run the forward in ``export.autocast(device_type)``.
+
+    Raises:
+        ValueError: as :func:`torchao_export`, or
+            :class:`~autoprec.stacks.check.StackMismatchError` if a module does not run what
+            the policy says after the conversion.
+    """
+    export = torchao_export(model, policy)
+    check_fp8_shapes(model, export.plan)
+    export.convert(model)
+    check_stack(model, export.plan, export.autocast_dtype)
+    return export
