@@ -14,7 +14,8 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -26,7 +27,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from autoprec.policy.precision_policy import PolicyLike
 
-__all__ = ["STACKS", "StackError", "StackPlan", "plan_for", "shown"]
+__all__ = ["STACKS", "NearestPolicyError", "StackError", "StackPlan", "plan_for", "shown"]
 
 #: The stacks ``autoprec export --to`` writes for.
 STACKS = ("torchao", "torchtitan", "accelerate", "lightning", "megatron")
@@ -35,6 +36,15 @@ STACKS = ("torchao", "torchtitan", "accelerate", "lightning", "megatron")
 class StackError(ValueError):
     """The policy asks for something the stack cannot run or express (one line: the layers,
     why, and the nearest policy it can)."""
+
+
+class NearestPolicyError(StackError):
+    """A policy the stack cannot express, with the nearest one it can (``nearest``: a
+    ``{layer: precision}`` map of every tunable layer)."""
+
+    def __init__(self, message: str, nearest: dict[str, Precision]) -> None:
+        super().__init__(message)
+        self.nearest = nearest
 
 
 def shown(names: Iterable[str], limit: int = 3) -> str:
@@ -78,6 +88,28 @@ class StackPlan:
             for n, p in self.precisions.items()
             if p not in allowed and p.value != (self.region or Precision.FP32.value)
         }
+
+    def refuse_mixed(
+        self, stack: str, low: Mapping[str, Precision], name: Callable[[Precision], str]
+    ) -> None:
+        """Refuse low-precision layers of more than one recipe, for a stack that converts with
+        one (``name``: a precision's recipe in the stack's words).
+
+        Raises:
+            NearestPolicyError: one line naming the mix and the nearest policy, every layer of
+                ``low`` at the precision most of them have (the narrower on a tie).
+        """
+        counts = Counter(low.values())
+        if len(counts) <= 1:
+            return
+        common = max(counts, key=lambda p: (counts[p], -p.width))
+        nearest = {n: (common if n in low else p) for n, p in self.precisions.items()}
+        mix = ", ".join(f"{k} {p.value}" for p, k in counts.most_common())
+        raise NearestPolicyError(
+            f"{stack} converts with one recipe; the policy mixes {mix} layers; the nearest "
+            f"policy it runs puts all {len(low)} at {common.value} ({name(common)})",
+            nearest,
+        )
 
     def refuse_off_region(self, stack: str, allowed: Iterable[Precision]) -> None:
         """Raise :class:`StackError` for the layers :meth:`off_region` finds.

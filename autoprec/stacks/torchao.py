@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from autoprec.precision import FLOAT8_RECIPES, Precision
-from autoprec.stacks.check import AUTOCAST_DTYPES, check_stack
+from autoprec.stacks.check import AUTOCAST_DTYPES, Running, check_stack
 from autoprec.stacks.plan import StackError, StackPlan, plan_for, shown
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -82,6 +82,11 @@ class TorchaoExport:
                 model, config=group.config(), module_filter_fn=group.module_filter_fn
             )
         return model
+
+    def check(self, model: nn.Module) -> dict[str, Running]:
+        """:func:`~autoprec.stacks.check.check_stack` of ``model`` (converted) against the
+        policy, under this export's autocast."""
+        return check_stack(model, self.plan, self.autocast_dtype)
 
     def autocast(self, device_type: str) -> contextlib.AbstractContextManager:
         """The region the forward runs in: ``torch.autocast(device_type, dtype)`` or nothing."""
@@ -188,5 +193,5 @@ def apply_torchao(model: nn.Module, policy: PolicyLike) -> TorchaoExport:
     export = torchao_export(model, policy)
     check_fp8_shapes(model, export.plan)
     export.convert(model)
-    check_stack(model, export.plan, export.autocast_dtype)
+    export.check(model)
     return export

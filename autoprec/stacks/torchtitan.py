@@ -32,21 +32,12 @@ from autoprec.stacks.plan import StackError, StackPlan, plan_for, shown
 if TYPE_CHECKING:  # pragma: no cover
     from autoprec.policy.precision_policy import PolicyLike
 
-__all__ = ["MX_RECIPE", "NearestPolicyError", "TorchtitanExport", "torchtitan_export"]
+__all__ = ["MX_RECIPE", "TorchtitanExport", "converted_by", "torchtitan_export"]
 
 #: torchtitan's MXFP8 recipe for dense Linears (torchao's ``MXLinearConfig`` recipe name).
 MX_RECIPE = "mxfp8_cublas"
 _PARAM_DTYPES = {None: "float32", "bf16": "bfloat16"}
 _BLOCK = re.compile(r"^(?:.*\.)?layers\.\d+\.")
-
-
-class NearestPolicyError(StackError):
-    """A policy the stack cannot express, with the nearest one it can (``nearest``: a
-    ``{layer: precision}`` map of every tunable layer)."""
-
-    def __init__(self, message: str, nearest: dict[str, Precision]) -> None:
-        super().__init__(message)
-        self.nearest = nearest
 
 
 @dataclass(frozen=True)
@@ -101,20 +92,6 @@ def _recipe(precision: Precision) -> str:
     return precision.recipe.name if precision.is_fp8 else MX_RECIPE
 
 
-def _refuse_mixed(plan: StackPlan, low: dict[str, Precision]) -> None:
-    counts = Counter(low.values())
-    if len(counts) <= 1:
-        return
-    common = max(counts, key=lambda p: (counts[p], -p.width))
-    nearest = {n: (common if n in low else p) for n, p in plan.precisions.items()}
-    mix = ", ".join(f"{k} {p.value}" for p, k in counts.most_common())
-    raise NearestPolicyError(
-        f"torchtitan converts with one recipe; the policy mixes {mix} layers; the nearest "
-        f"policy it runs puts all {len(low)} at {common.value} ({_recipe(common)})",
-        nearest,
-    )
-
-
 def _filters(model: nn.Module, plan: StackPlan, low: set[str]) -> tuple[str, ...]:
     """The exclude list: block suffixes every block leaves out, then the exact names."""
     keep = [n for n in converted_by(model, ()) if n not in low]
@@ -142,7 +119,7 @@ def torchtitan_export(model: nn.Module, policy: PolicyLike) -> TorchtitanExport:
             f"{shown(other)}; export them with --to megatron (Transformer Engine)"
         )
     low = {n: p for n, p in plan.precisions.items() if p.is_fp8 or p.is_mx}
-    _refuse_mixed(plan, low)
+    plan.refuse_mixed("torchtitan", low, _recipe)
     plan.refuse_off_region("torchtitan", (*FLOAT8_RECIPES, Precision.MXFP8))
     if plan.region not in _PARAM_DTYPES:
         raise StackError(

@@ -17,7 +17,8 @@ from torch import nn
 
 from autoprec.policy import PolicyMismatchError, PrecisionPolicy
 from autoprec.stacks import StackError, apply_torchao, check_stack
-from autoprec.stacks.torchtitan import NearestPolicyError, torchtitan_export
+from autoprec.stacks.plan import NearestPolicyError
+from autoprec.stacks.torchtitan import torchtitan_export
 
 
 def torchtitans_filter(module: nn.Module, fqn: str, filter_fqns: list[str]) -> bool:
