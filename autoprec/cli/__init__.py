@@ -18,6 +18,7 @@ import click
 from autoprec import __version__
 from autoprec.cli.analyze import analyze
 from autoprec.cli.compare import compare
+from autoprec.cli.export import export
 from autoprec.cli.formats import formats
 from autoprec.cli.hardware import hardware
 from autoprec.cli.migrate import migrate
@@ -36,6 +37,7 @@ def cli() -> None:
 
 cli.add_command(analyze)
 cli.add_command(compare)
+cli.add_command(export)
 cli.add_command(formats)
 cli.add_command(hardware)
 cli.add_command(migrate)

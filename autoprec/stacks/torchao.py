@@ -141,6 +141,7 @@ def torchao_export(model: nn.Module, policy: PolicyLike) -> TorchaoExport:
     plan = plan_for(model, policy)
     refuse_unswappable(plan, "torchao")
     plan.refuse_off_region("torchao with torch.autocast", FLOAT8_RECIPES)
+    check_fp8_shapes(model, plan)
     groups = tuple(
         Float8Group(recipe, frozenset(fqns)) for recipe, fqns in plan.fp8_groups().items()
     )
@@ -191,7 +192,6 @@ def apply_torchao(model: nn.Module, policy: PolicyLike) -> TorchaoExport:
             the policy says after the conversion.
     """
     export = torchao_export(model, policy)
-    check_fp8_shapes(model, export.plan)
     export.convert(model)
     export.check(model)
     return export
