@@ -15,7 +15,6 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -126,8 +125,8 @@ def check_stack(
         or (r.recipe == "custom config" and r.precision is Precision.FP8)
     }
     if wrong:
-        names = shown(f"{n}: {r} where the policy says {plan.precisions[n].value}" for n, r in
-                      wrong.items())  # fmt: skip
+        said = plan.precisions
+        names = shown(f"{n}: {r} where the policy says {said[n].value}" for n, r in wrong.items())
         raise StackMismatchError(
             f"{len(wrong)} module(s) do not run what the policy says: {names}; fix the stack's "
             "filter or autocast (autoprec export writes both)"
@@ -151,13 +150,3 @@ def _plan_of_policy(model: nn.Module, policy: PolicyLike) -> StackPlan:
             "converts nothing; check them against model.named_modules()"
         )
     return plan_for(model, policy)
-
-
-def region_dtype(plan: StackPlan) -> torch.dtype | None:
-    """The autocast dtype of ``plan``'s region (None: no region)."""
-    return AUTOCAST_DTYPES.get(plan.region) if plan.region else None
-
-
-def precisions_of(running: Mapping[str, Running]) -> dict[str, str]:
-    """``{layer: precision name}`` of a check's result (for tests and reports)."""
-    return {n: r.precision.value for n, r in running.items()}

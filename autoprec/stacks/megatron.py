@@ -78,8 +78,10 @@ class MegatronExport:
             name, recipe = TE_RECIPES[precision]
             if precision is not Precision.BF16:  # quantise where the run's default does not
                 recipe = {**recipe, "override_nonquantized_autocast": True}
-            configs[name] = {"transformer_engine_config_type": "TEQuantizationParams",
-                             "training_recipe": recipe}  # fmt: skip
+            configs[name] = {
+                "transformer_engine_config_type": "TEQuantizationParams",
+                "training_recipe": recipe,
+            }
         matchers = {
             path: {
                 "type": "glob",
