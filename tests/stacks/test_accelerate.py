@@ -93,3 +93,18 @@ def test_what_accelerate_cannot_run_is_refused(tiny):
         accelerate_export(tiny.copy(), PrecisionPolicy(default="fp32", layers={names[0]: "fp8"}))
     plain = accelerate_export(tiny.copy(), PrecisionPolicy(default="bf16"))
     assert plain.kwargs() == {"mixed_precision": "bf16"}
+
+
+def test_a_bf16_policy_trains_the_native_runtimes_losses(tiny):
+    # without fp8 layers accelerate's program is the native runtime's: one bf16 region whose
+    # outputs come back as fp32
+    from autoprec.runtime import apply_policy
+
+    policy = PrecisionPolicy(default="bf16")
+    export = accelerate_export(tiny.copy(), policy)
+    accelerator, model = _prepared(tiny, export.kwargs())
+    export.check(accelerator.unwrap_model(model))
+    native = tiny.copy()
+    with apply_policy(native, policy, mode="native"):
+        expected = tiny.train(native, contextlib.nullcontext)
+    assert tiny.train(model, contextlib.nullcontext) == pytest.approx(expected, rel=1e-6, abs=0)

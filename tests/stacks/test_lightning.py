@@ -88,3 +88,16 @@ def test_the_snippets_callback_trains_the_same(tiny):
 def test_a_trainer_of_another_precision_is_refused_before_training(tiny):
     with pytest.raises(StackError, match="pass precision='bf16-mixed'"):
         _fit(tiny, policy_callback(_policy(tiny.names()), module="model"), "32-true")
+
+
+def test_a_bf16_policy_trains_the_native_runtimes_losses(tiny):
+    import contextlib
+
+    from autoprec.runtime import apply_policy
+
+    policy = PrecisionPolicy(default="bf16")
+    module = _fit(tiny, policy_callback(policy, module="model"), "bf16-mixed")
+    native = tiny.copy()
+    with apply_policy(native, policy, mode="native"):
+        expected = tiny.train(native, contextlib.nullcontext)
+    assert module.losses == pytest.approx(expected, rel=1e-6, abs=0)
