@@ -9,6 +9,10 @@ whose weight dimensions are multiples of 16 into the low-precision module unless
 ``shared_experts.w1``, and ``proj`` leaves out ``out_proj``). The other layers run at
 ``[training] mixed_precision_param`` (FSDP's parameter dtype: ``bfloat16`` or ``float32``).
 
+This is torchtitan 0.2's TOML job config (``--job.config_file``); torchtitan 0.3 configures
+the same converter in Python (``Float8LinearConverter.Config(recipe_name=..., filter_fqns=...)``,
+the rowwise recipes only), which the TOML's header names.
+
 The exporter writes the exclude list (a name's block suffix, such as ``attention.wk``, where
 every block leaves it out; else the exact names), replays torchtitan's rule over the model,
 and refuses, in one line, what the rule cannot express: recipes mixed per layer (with the
@@ -60,8 +64,13 @@ class TorchtitanExport:
     def toml(self, source: str) -> str:
         """The TOML a user merges into the job's config; ``source`` names the policy."""
         lines = [f"# torchtitan settings for {source}, written by `autoprec export`."]
+        fqns = ", ".join(f'"{f}"' for f in self.filter_fqns)
+        if self.converter == "quantize.linear.float8" and self.recipe_name != "tensorwise":
+            lines.append(
+                f'# torchtitan >= 0.3: Float8LinearConverter.Config(recipe_name="'
+                f'{self.recipe_name}", filter_fqns=[{fqns}])'
+            )
         if self.converter is not None:
-            fqns = ", ".join(f'"{f}"' for f in self.filter_fqns)
             lines += [
                 "[model]",
                 f'converters = ["{self.converter}"]',

@@ -1,11 +1,12 @@
 """torchtitan: the exported TOML section, read back as torchtitan reads it.
 
-torchtitan itself is not installed here (its converters assert a CUDA sm89+/sm100 device
-before converting), so the oracle is its documented rule, written out below from its
-``components/quantization/utils.py``: a Linear is converted when both weight dimensions are
-multiples of 16 and no ``filter_fqns`` entry is a substring of its name; torchao then converts
-with ``Float8LinearConfig.from_recipe_name(recipe_name)``, as torchtitan's float8 converter
-does. The model so converted must pass the check and train as ``apply_torchao`` trains it.
+Two oracles. torchtitan's documented rule, written out below from its
+``components/quantization/utils.py`` (a Linear is converted when both weight dimensions are
+multiples of 16 and no ``filter_fqns`` entry is a substring of its name; torchao converts with
+``Float8LinearConfig.from_recipe_name(recipe_name)``), which always runs; and, where torchtitan
+0.2 is installed (``pip install --no-deps "torchtitan<0.3" tyro``: the last release that reads a
+TOML job config), torchtitan's own config parser and float8 converter. The model so converted
+must pass the check and train as ``apply_torchao`` trains it.
 """
 
 from __future__ import annotations
@@ -95,3 +96,36 @@ def test_mxfp8_uses_the_mx_converter_and_a_uniform_policy_no_converter(tiny):
     }
     config = tomllib.loads(torchtitan_export(tiny.copy(), PrecisionPolicy()).toml("p.yaml"))
     assert config == {"training": {"mixed_precision_param": "float32"}}
+
+
+def test_torchtitans_own_parser_and_converter_train_the_policy(tiny, tmp_path, monkeypatch):
+    # torchtitan 0.2 (the last that reads a TOML job config) installs without its data and
+    # logging dependencies; its float8 converter runs on a CPU with `emulate`, which only lifts
+    # its sm89 check when a recipe is named (the config is from_recipe_name's)
+    pytest.importorskip("torchtitan.config.manager")
+    import torch._inductor.config as inductor
+    from torchtitan.components.quantization import float8  # noqa: F401 - registers it
+    from torchtitan.config import ConfigManager
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.protocols.model_converter import build_model_converters
+
+    # the rowwise converter sets an inductor switch for the process: put it back after
+    monkeypatch.setattr(inductor, "emulate_precision_casts", inductor.emulate_precision_casts)
+    names = tiny.names()
+    policy = PrecisionPolicy(
+        default="fp8_rowwise", layers={"output": "bf16", **{n: "bf16" for n in names if "wv" in n}}
+    )
+    path = tmp_path / "job.toml"
+    path.write_text(torchtitan_export(tiny.copy(), policy).toml("best_policy.yaml"))
+    job = ConfigManager().parse_args(
+        ["--job.config_file", str(path), "--quantize.linear.float8.emulate"]
+    )
+    assert job.training.mixed_precision_param == "bfloat16"
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
+    model = tiny.copy()
+    build_model_converters(job, dims).convert(model)
+    check_stack(model, policy, torch.bfloat16)
+    reference = tiny.copy()
+    export = apply_torchao(reference, policy)
+    context = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
+    assert tiny.train(model, context) == tiny.train(reference, lambda: export.autocast("cpu"))
