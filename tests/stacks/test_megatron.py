@@ -1,7 +1,9 @@
 """Megatron-LM / Transformer Engine: the exported ``--te-precision-config-file``.
 
-Neither Megatron-LM nor Transformer Engine installs on this CPU-only machine, so the file is
-checked against their documented schema, written out below from Megatron-LM's
+Transformer Engine does not install on a CPU; megatron-core does, and where it is installed
+the file goes through Megatron's own loader, the lookup its GPTModel makes for each module and
+TE's per-module config parser (the last test). Always, the file is also checked against their
+documented schema, written out below from Megatron-LM's
 ``megatron/core/quantization/quant_config.py`` (``RecipeConfig``: ``configs`` and ordered
 ``matchers``, each ``type: glob`` matched with ``fnmatch`` against the module path, the first
 match wins, disabled ones skipped) and ``megatron/core/extensions/transformer_engine.py``
@@ -39,6 +41,11 @@ TE_RECIPE_OF = {  # (fp8 recipe, fp4 recipe) -> what TE runs, as the policy name
     (None, "nvfp4"): "nvfp4",
     (None, None): "bf16",
 }
+
+
+def _value(recipe: object) -> str | None:
+    """A recipe as its name (Megatron's Fp8Recipe and Fp4Recipe are str enums)."""
+    return None if recipe is None else getattr(recipe, "value", recipe)
 
 
 def check_schema(config: dict) -> None:
@@ -102,3 +109,26 @@ def test_what_megatron_cannot_run_per_module_is_refused(tiny):
         megatron_export(tiny.copy(), PrecisionPolicy(default="bf16", layers={"output": "fp32"}))
     with pytest.raises(PolicyMismatchError, match="layers.0.attention.q_proj"):
         megatron_export(tiny.copy(), PrecisionPolicy(layers={"layers.0.attention.q_proj": "bf16"}))
+
+
+def test_megatrons_own_parser_gives_each_module_the_policys_recipe(tiny, tmp_path):
+    # megatron-core installs on a CPU (Transformer Engine does not): its recipe loader, the
+    # lookup GPTModel makes for each module at init, and TE's per-module config parser
+    pytest.importorskip("megatron.core.quantization.utils")
+    from megatron.core.extensions.transformer_engine import TEQuantizationParams
+    from megatron.core.quantization.utils import get_quant_config_or_none, load_quantization_recipe
+
+    policy = PrecisionPolicy(
+        default="fp8", layers={"output": "bf16", "re:layers\\.1\\.feed_forward\\..*": "nvfp4"}
+    )
+    path = tmp_path / "precision.yaml"
+    path.write_text(megatron_export(tiny.copy(), policy).yaml("best_policy.yaml"))
+    recipe = load_quantization_recipe(str(path))
+    for name in tiny.names():
+        config = get_quant_config_or_none(megatron_name(name), recipe)
+        params = TEQuantizationParams.parse_from_config(config).training_recipe
+        key = (_value(params.fp8_quantization_recipe), _value(params.fp4_quantization_recipe))
+        assert TE_RECIPE_OF[key] == policy.precision_for(name), name
+        assert params.fp8_format == ("hybrid" if key[0] == "tensorwise" else "e4m3")
+        assert params.override_nonquantized_autocast == (key != (None, None))
+    assert get_quant_config_or_none("decoder.layers.5.mlp.linear_fc1", recipe) is None
