@@ -29,6 +29,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["AUTOCAST_DTYPES", "Running", "StackMismatchError", "check_stack", "what_runs"]
 
+#: The weight type torchao's MXFP8 training (``quantize_`` with ``MXFP8TrainingOpConfig``) gives
+#: a Linear.
+_MX_WEIGHT = "MXFP8TrainingWeightWrapperTensor"
 #: The autocast dtype of each 16-bit region format.
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -91,6 +94,8 @@ def what_runs(
             out[name] = Running(kind, precision or Precision.FP8, recipe or "custom config")
         elif kind == "MXFP8Linear":
             out[name] = Running(kind, Precision.MXFP8)
+        elif type(getattr(module, "weight", None)).__name__ == _MX_WEIGHT:
+            out[name] = Running(kind, Precision.MXFP8, "MXFP8TrainingOpConfig")
         else:
             out[name] = Running(kind, Precision(region or "fp32"))
     return out

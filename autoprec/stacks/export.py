@@ -2,10 +2,10 @@
 
 | stack | what is written |
 |---|---|
-| ``torchao`` | Python: ``FP8_LAYERS`` per recipe, ``convert_model(model)``, ``autocast(device)`` |
+| ``torchao`` | Python: the layers per recipe, ``convert_model(model)``, ``autocast(device)`` |
 | ``torchtitan`` | TOML: ``[model]``, ``[quantize.linear.float8]`` (or ``.mx``), ``[training]`` |
 | ``accelerate`` | Python: ``accelerator_kwargs()`` for ``Accelerator(**...)`` |
-| ``lightning`` | Python: ``PRECISION`` and a ``Float8Policy`` callback |
+| ``lightning`` | Python: ``PRECISION`` and a ``PolicyCallback`` |
 | ``megatron`` | YAML: Megatron-LM's ``--te-precision-config-file`` |
 
 Every exporter reads the policy against the model first (a name the model does not have is a

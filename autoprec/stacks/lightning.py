@@ -16,7 +16,6 @@ Example:
 from __future__ import annotations
 
 import functools
-import json
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -81,30 +80,22 @@ def _callback_class() -> type:
 
 
 def lightning_snippet(export: TorchaoExport, source: str) -> str:
-    """Python a user pastes: ``PRECISION`` and a ``Float8Policy`` callback."""
-    layers = {g.recipe: sorted(g.fqns) for g in export.groups}
+    """Python a user pastes: :meth:`TorchaoExport.convert_source`, ``PRECISION`` and a
+    ``PolicyCallback`` that converts at ``setup``."""
     return f'''\
 # Lightning settings for {source}, written by `autoprec export --to lightning`.
 import lightning.pytorch as pl
-from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+{export.convert_source()}
 
 PRECISION = "{PRECISIONS[export.plan.region]}"  # Trainer(precision=PRECISION, ...)
-# torchao recipe -> the layers it converts (names inside the module the callback is given)
-FP8_LAYERS = {json.dumps(layers, indent=4)}
 
 
-class Float8Policy(pl.Callback):
-    """Converts the policy's fp8 layers of `pl_module.get_submodule(module)` at setup."""
+class PolicyCallback(pl.Callback):
+    """Converts `pl_module.get_submodule(module)` at setup (names as in FP8_LAYERS)."""
 
     def __init__(self, module=""):
         self.module = module
 
     def setup(self, trainer, pl_module, stage):
-        model = pl_module.get_submodule(self.module)
-        for recipe, fqns in FP8_LAYERS.items():
-            convert_to_float8_training(
-                model,
-                config=Float8LinearConfig.from_recipe_name(recipe),
-                module_filter_fn=lambda module, fqn, fqns=frozenset(fqns): fqn in fqns,
-            )
+        convert_model(pl_module.get_submodule(self.module))
 '''

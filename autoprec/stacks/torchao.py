@@ -4,15 +4,19 @@ A policy that mixes torchao's float8 recipes converts group by group: for each r
 ``Float8LinearConfig.from_recipe_name(recipe)`` and a ``module_filter_fn(module, fqn)`` that
 matches exactly that group's layer names (the native runtime's conversion,
 :class:`autoprec.runtime.native.Float8Swap`, is the same calls). Every other layer runs in one
-``torch.autocast`` region of the policy's 16-bit format (none when it has none). What that
-program cannot run is refused in one line before any training: a layer at another format than
-the region's (an fp32 layer in a bf16 policy: native mode's per-layer rules), a block-scaled
-layer (mxfp8, fp8_block, nvfp4: export to torchtitan or Megatron), an fp8 layer torchao rejects
-(not an ``nn.Linear``, features not multiples of 16).
+``torch.autocast`` region of the policy's 16-bit format (none when it has none). The mxfp8
+layers are torchao's MXFP8 training (``quantize_`` with ``MXFP8TrainingOpConfig``, RCEIL
+scales, the emulated kernel off a GPU: the native runtime's ``MXFP8Linear`` numerics), in a
+policy without a 16-bit region (under autocast its GEMM gets a bf16 input and the fp32 weight
+and refuses them; torchtitan's FSDP2 hands it bf16 parameters instead). What
+that program cannot run is refused in one line before any training: a layer at another format
+than the region's (an fp32 layer in a bf16 policy: native mode's per-layer rules), an fp8_block
+or nvfp4 layer (export to Megatron), an fp8 or mxfp8 layer torchao rejects (not an
+``nn.Linear``, features not multiples of 16, or 32 for mxfp8).
 
 On CUDA torchao's ``Float8Linear`` casts its input to autocast's dtype, as the native runtime
 does everywhere; on a CPU it does not (it reads CUDA's autocast state), so a bf16 region with
-fp8 layers runs the same modules and recipes there, but not the same bits.
+fp8 or mxfp8 layers runs the same modules and recipes there, but not the same bits.
 
 Example:
     >>> export = apply_torchao(model, "best_policy.yaml")  # converts and checks
@@ -71,16 +75,29 @@ class TorchaoExport:
     plan: StackPlan
     groups: tuple[Float8Group, ...]
     autocast_dtype: torch.dtype | None
+    mx: frozenset[str] = frozenset()
 
     def convert(self, model: nn.Module) -> nn.Module:
         """Swap the fp8 layers of ``model`` for torchao ``Float8Linear`` modules, one
-        ``convert_to_float8_training`` call per recipe; returns ``model``."""
+        ``convert_to_float8_training`` call per recipe, and give the mxfp8 layers torchao's
+        MXFP8 training weights (``quantize_``); returns ``model``."""
         from torchao.float8 import convert_to_float8_training
 
         for group in self.groups:
             convert_to_float8_training(
                 model, config=group.config(), module_filter_fn=group.module_filter_fn
             )
+        if self.mx:
+            from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig
+            from torchao.quantization import quantize_
+            from torchao.quantization.quantize_.common.kernel_preference import (
+                KernelPreference,
+            )
+
+            cuda = next(model.parameters()).device.type == "cuda"
+            kernel = KernelPreference.AUTO if cuda else KernelPreference.EMULATED
+            config = MXFP8TrainingOpConfig(kernel_preference=kernel)
+            quantize_(model, config, filter_fn=lambda module, fqn: fqn in self.mx)
         return model
 
     def check(self, model: nn.Module) -> dict[str, Running]:
@@ -94,32 +111,49 @@ class TorchaoExport:
             return contextlib.nullcontext()
         return torch.autocast(device_type, dtype=self.autocast_dtype)
 
-    def snippet(self, source: str) -> str:
-        """Python a user pastes into a training script: ``FP8_LAYERS``, ``AUTOCAST_DTYPE``,
-        ``convert_model(model)`` and ``autocast(device_type)``; ``source`` names the policy."""
+    def convert_source(self) -> str:
+        """Python that defines ``FP8_LAYERS``, ``MX_LAYERS`` and ``convert_model(model)``."""
         layers = {g.recipe: sorted(g.fqns) for g in self.groups}
-        dtype = "None" if self.autocast_dtype is None else str(self.autocast_dtype)
         return f'''\
-# torchao float8 training for {source}, written by `autoprec export --to torchao`.
-import contextlib
-
 import torch
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig
+from torchao.quantization import quantize_
+from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
 
-# torchao recipe -> the layers it converts (every other layer runs under AUTOCAST_DTYPE)
+# torchao recipe -> the layers it converts (every other layer runs under the autocast)
 FP8_LAYERS = {json.dumps(layers, indent=4)}
-AUTOCAST_DTYPE = {dtype}
+MX_LAYERS = frozenset({json.dumps(sorted(self.mx), indent=4)})
 
 
 def convert_model(model):
-    """Swap the policy's fp8 layers for torchao Float8Linear, one call per recipe."""
+    """Swap the policy's fp8 layers for torchao Float8Linear, one call per recipe, and give
+    its mxfp8 layers torchao's MXFP8 training weights."""
     for recipe, fqns in FP8_LAYERS.items():
         convert_to_float8_training(
             model,
             config=Float8LinearConfig.from_recipe_name(recipe),
             module_filter_fn=lambda module, fqn, fqns=frozenset(fqns): fqn in fqns,
         )
+    if MX_LAYERS:
+        cuda = next(model.parameters()).device.type == "cuda"
+        kernel = KernelPreference.AUTO if cuda else KernelPreference.EMULATED
+        config = MXFP8TrainingOpConfig(kernel_preference=kernel)
+        quantize_(model, config, filter_fn=lambda module, fqn: fqn in MX_LAYERS)
     return model
+'''
+
+    def snippet(self, source: str) -> str:
+        """Python a user pastes into a training script: :meth:`convert_source`,
+        ``AUTOCAST_DTYPE`` and ``autocast(device_type)``; ``source`` names the policy."""
+        dtype = "None" if self.autocast_dtype is None else str(self.autocast_dtype)
+        return f'''\
+# torchao float8 training for {source}, written by `autoprec export --to torchao`.
+import contextlib
+
+{self.convert_source()}
+
+AUTOCAST_DTYPE = {dtype}
 
 
 def autocast(device_type):
@@ -139,44 +173,53 @@ def torchao_export(model: nn.Module, policy: PolicyLike) -> TorchaoExport:
         NotRunnableError: an fp8 layer torchao's ``Float8Linear`` rejects.
     """
     plan = plan_for(model, policy)
-    refuse_unswappable(plan, "torchao")
-    plan.refuse_off_region("torchao with torch.autocast", FLOAT8_RECIPES)
+    refuse_unswappable(plan, "torchao", mx=True)
+    plan.refuse_off_region("torchao with torch.autocast", (*FLOAT8_RECIPES, Precision.MXFP8))
     check_fp8_shapes(model, plan)
     groups = tuple(
         Float8Group(recipe, frozenset(fqns)) for recipe, fqns in plan.fp8_groups().items()
     )
-    return TorchaoExport(plan, groups, AUTOCAST_DTYPES.get(plan.region or ""))
+    mx = frozenset(plan.layers_at(Precision.MXFP8))
+    if mx and plan.region is not None:
+        raise StackError(
+            f"torchao's MXFP8 training multiplies its input in autocast's {plan.region} against "
+            f"an fp32 weight, which it refuses; {len(mx)} mxfp8 layer(s) in a {plan.region} "
+            f"policy ({shown(sorted(mx))}): export with --to torchtitan (bf16 parameters) or "
+            "--to megatron"
+        )
+    return TorchaoExport(plan, groups, AUTOCAST_DTYPES.get(plan.region or ""), mx)
 
 
-def refuse_unswappable(plan: StackPlan, stack: str) -> None:
-    """Refuse the block-scaled layers (no torchao float8 recipe) and the fp8 layers torchao's
-    ``Float8Linear`` rejects (the runnability table's rule, read by the native runtime's
-    check).
+def refuse_unswappable(plan: StackPlan, stack: str, mx: bool = False) -> None:
+    """Refuse the block-scaled layers the stack has no module for: fp8_block and nvfp4, and
+    mxfp8 unless ``mx``.
 
     Raises:
-        StackError: block-scaled layers, naming them and the stacks that run them.
-        NotRunnableError: an fp8 layer that is not an ``nn.Linear`` of features % 16.
+        StackError: one line naming them and the stacks that run them.
     """
-    block = plan.layers_at(Precision.MXFP8, Precision.FP8_BLOCK, Precision.NVFP4)
+    formats = [Precision.FP8_BLOCK, Precision.NVFP4, *(() if mx else (Precision.MXFP8,))]
+    block = plan.layers_at(*formats)
     if block:
-        formats = sorted({plan.precisions[n].value for n in block})
+        found = sorted({plan.precisions[n].value for n in block})
+        what = "float8 recipes and mxfp8" if mx else "float8 recipes"
         raise StackError(
-            f"{stack} exports torchao's float8 recipes; {len(block)} layer(s) are "
-            f"block-scaled ({', '.join(formats)}): {shown(block)}; export those with --to "
-            "megatron (Transformer Engine) or, mxfp8 alone, --to torchtitan"
+            f"{stack} exports torchao's {what}; {len(block)} layer(s) are block-scaled "
+            f"({', '.join(found)}): {shown(block)}; export those with --to megatron "
+            "(Transformer Engine), or mxfp8 with --to torchtitan or torchao"
         )
 
 
 def check_fp8_shapes(model: nn.Module, plan: StackPlan) -> None:
-    """The native runtime's check of the fp8 layers' module kinds and shapes, on any device.
+    """The native runtime's check of the fp8 and mxfp8 layers' module kinds and shapes (the
+    runnability table's rule), on any device.
 
     Raises:
-        NotRunnableError: a layer torchao's ``Float8Linear`` rejects (one line).
+        NotRunnableError: a layer torchao's modules reject (one line).
     """
     from autoprec.runtime.native import check_native, local_device
 
     modules = dict(model.named_modules())
-    fp8 = {n: (modules[n], p) for n, p in plan.precisions.items() if p.is_fp8}
+    fp8 = {n: (modules[n], p) for n, p in plan.precisions.items() if p.is_fp8 or p.is_mx}
     check_native(fp8, local_device("cpu"), "cpu")
 
 

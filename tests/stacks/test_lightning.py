@@ -80,7 +80,7 @@ def test_the_snippets_callback_trains_the_same(tiny):
     namespace: dict = {}
     code = lightning_snippet(torchao_export(tiny.copy(), policy), "best_policy.yaml")
     exec(compile(code, "<snippet>", "exec"), namespace)
-    module = _fit(tiny, namespace["Float8Policy"]("model"), namespace["PRECISION"])
+    module = _fit(tiny, namespace["PolicyCallback"]("model"), namespace["PRECISION"])
     torchao_export(tiny.copy(), policy).check(module.model)
     assert module.losses == _reference(tiny, policy)
 

@@ -98,12 +98,42 @@ def test_what_the_program_cannot_run_is_refused_in_one_line(tiny):
     bf16_and_fp32 = PrecisionPolicy(default="bf16", layers={"output": "fp32"})
     with pytest.raises(StackError, match=r"1 layer\(s\) need another: output \(fp32\)"):
         torchao_export(tiny.copy(), bf16_and_fp32)
-    with pytest.raises(StackError, match="block-scaled \\(mxfp8\\): layers.0.attention.wq"):
-        torchao_export(tiny.copy(), PrecisionPolicy(default="bf16", layers={names[0]: "mxfp8"}))
+    with pytest.raises(StackError, match="block-scaled \\(nvfp4\\): layers.0.attention.wq"):
+        torchao_export(tiny.copy(), PrecisionPolicy(default="bf16", layers={names[0]: "nvfp4"}))
     model = tiny.copy()
     model.layers["0"].attention.wq = torch.nn.Linear(64, 40, bias=False)  # 40 % 16 != 0
     with pytest.raises(NotRunnableError, match="layers.0.attention.wq"):
         apply_torchao(model, PrecisionPolicy(default="fp8"))
+
+
+def test_mxfp8_layers_train_as_the_native_runtimes_mxfp8linear(tiny):
+    # torchao's MXFP8 training (quantize_ with MXFP8TrainingOpConfig, a weight wrapper) against
+    # the native runtime's MXFP8Linear: the same numerics, another module
+    names = tiny.names()
+    policy = PrecisionPolicy(
+        default="fp32",
+        layers={**{n: "mxfp8" for n in names if "feed_forward" in n}, names[0]: "fp8_rowwise"},
+    )
+    model = tiny.copy()
+    export = apply_torchao(model, policy)
+    running = export.check(model)
+    native_losses, native_running = _native(tiny, policy)
+    assert {n: r.precision for n, r in running.items()} == {
+        n: r.precision for n, r in native_running.items()
+    }
+    w1 = running["layers.0.feed_forward.w1"]
+    assert (w1.module, w1.recipe) == ("Linear", "MXFP8TrainingOpConfig")
+    assert native_running["layers.0.feed_forward.w1"].module == "MXFP8Linear"
+    losses = tiny.train(model, lambda: export.autocast("cpu"))
+    assert losses == pytest.approx(native_losses, rel=1e-6, abs=0)
+    # the snippet converts the same
+    namespace: dict = {}
+    exec(compile(export.snippet("best_policy.yaml"), "<snippet>", "exec"), namespace)
+    converted = namespace["convert_model"](tiny.copy())
+    assert export.check(converted) == running
+    # in a bf16 region torchao's MXFP8 GEMM would get a bf16 input and the fp32 weight
+    with pytest.raises(StackError, match="export with --to torchtitan"):
+        torchao_export(tiny.copy(), policy.replace(default="bf16"))
 
 
 def test_the_snippet_runs_and_converts_as_apply_torchao(tiny):
