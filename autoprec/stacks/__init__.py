@@ -10,17 +10,18 @@
 - :mod:`.megatron`: Megatron-LM's ``--te-precision-config-file``.
 - :mod:`.export`: ``export_policy``, the text ``autoprec export`` writes per stack.
 
-Heavy imports (torchao, accelerate, lightning) happen inside the functions that need them.
+Importing the package imports no torch: the check and the exporters are imported when first
+used; heavy imports (torchao, accelerate, lightning) happen inside the functions that need them.
 """
 
 from __future__ import annotations
 
-from autoprec.stacks.check import Running, StackMismatchError, check_stack, what_runs
-from autoprec.stacks.plan import STACKS, StackError, StackPlan, plan_for
-from autoprec.stacks.torchao import TorchaoExport, apply_torchao, torchao_export
+from autoprec._lazy import lazy_getattr
+from autoprec.stacks.plan import STACKS, NearestPolicyError, StackError, StackPlan, plan_for
 
 __all__ = [
     "STACKS",
+    "NearestPolicyError",
     "Running",
     "StackError",
     "StackMismatchError",
@@ -32,3 +33,17 @@ __all__ = [
     "torchao_export",
     "what_runs",
 ]
+
+# torch is imported with the check and the exporters, not with the package (the CLI reads STACKS)
+__getattr__ = lazy_getattr(
+    globals(),
+    {
+        "Running": "autoprec.stacks.check",
+        "StackMismatchError": "autoprec.stacks.check",
+        "check_stack": "autoprec.stacks.check",
+        "what_runs": "autoprec.stacks.check",
+        "TorchaoExport": "autoprec.stacks.torchao",
+        "apply_torchao": "autoprec.stacks.torchao",
+        "torchao_export": "autoprec.stacks.torchao",
+    },
+)
