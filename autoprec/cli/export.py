@@ -34,13 +34,22 @@ DEFAULT_DEVICE, COST_BATCH = "h100-sxm", 8
 @click.argument("policy_file", type=click.Path(dir_okay=False))
 @click.option("--to", "stack", required=True, type=click.Choice(STACKS), help="The stack.")
 @click.option("--model", "model_name", required=True, help="Model name (see `autoprec models`).")
+@click.option("--num-classes", type=int, default=10, show_default=True, help="As in train.")
+@click.option("--image-size", type=int, default=None, help="Input image size (model default).")
 @click.option(
     "--out",
     required=True,
     type=click.Path(dir_okay=False),
     help="The file to write (.py for torchao, accelerate, lightning; .toml; .yaml).",
 )
-def export(policy_file: str, stack: str, model_name: str, out: str) -> None:
+def export(
+    policy_file: str,
+    stack: str,
+    model_name: str,
+    num_classes: int,
+    image_size: int | None,
+    out: str,
+) -> None:
     """Write a policy as the code or config a training stack reads."""
     import torch
 
@@ -52,7 +61,7 @@ def export(policy_file: str, stack: str, model_name: str, out: str) -> None:
 
     policy = load_policy(policy_file)
     with torch.device("meta"):  # names and shapes are all an export reads
-        model = load_model(model_name).module
+        model = load_model(model_name, num_classes=num_classes, image_size=image_size).module
     try:
         text = export_policy(model, policy, stack, Path(policy_file).name)
     except NearestPolicyError as err:

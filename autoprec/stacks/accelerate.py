@@ -114,7 +114,7 @@ def accelerate_export(model: nn.Module, policy: PolicyLike) -> AccelerateExport:
             f"the policy has them at {other}: the nearest policy it runs puts them at bf16"
         )
     plan.refuse_off_region("accelerate", FLOAT8_RECIPES)
-    check_fp8_shapes(model, plan)
+    check_fp8_shapes(model, plan, "accelerate")
     if not groups:
         return AccelerateExport(plan, _MIXED[plan.region], None)
     (recipe, fqns), *_ = groups.items()

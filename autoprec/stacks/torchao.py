@@ -209,18 +209,27 @@ def refuse_unswappable(plan: StackPlan, stack: str, mx: bool = False) -> None:
         )
 
 
-def check_fp8_shapes(model: nn.Module, plan: StackPlan) -> None:
-    """The native runtime's check of the fp8 and mxfp8 layers' module kinds and shapes (the
-    runnability table's rule), on any device.
+def check_fp8_shapes(model: nn.Module, plan: StackPlan, stack: str = "torchao") -> None:
+    """Refuse the fp8 and mxfp8 layers torchao's modules reject: the runnability table's rule
+    (an ``nn.Linear`` with features multiples of 16, of 32 for mxfp8), whatever the device.
 
     Raises:
-        NotRunnableError: a layer torchao's modules reject (one line).
+        NotRunnableError: one line naming the layers and why.
     """
-    from autoprec.runtime.native import check_native, local_device
+    from autoprec.hardware.runnability import LayerShape, NotRunnableError, unrunnable
+    from autoprec.runtime.native import CPU_NATIVE_PRECISIONS
 
     modules = dict(model.named_modules())
-    fp8 = {n: (modules[n], p) for n, p in plan.precisions.items() if p.is_fp8 or p.is_mx}
-    check_native(fp8, local_device("cpu"), "cpu")
+    low = {n: p for n, p in plan.precisions.items() if p.is_fp8 or p.is_mx}
+    shapes = {n: LayerShape.of_module(modules[n]) for n in low}
+    bad = unrunnable(low, CPU_NATIVE_PRECISIONS, shapes)
+    if bad:
+        names = shown(f"{n} ({v.precision.value}: {v.reason})" for n, v in bad.items())
+        who = "torchao's modules" if stack == "torchao" else f"{stack}'s torchao modules"
+        raise NotRunnableError(
+            f"{who} cannot run {len(bad)} layer(s): {names}; give them the policy's 16-bit format",
+            {n: f"{v.precision.value}: {v.reason}" for n, v in bad.items()},
+        )
 
 
 def apply_torchao(model: nn.Module, policy: PolicyLike) -> TorchaoExport:
