@@ -8,6 +8,7 @@ recipes per layer, and the first steps' losses of the tiny llama on this CPU.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -149,3 +150,35 @@ def test_the_snippet_runs_and_converts_as_apply_torchao(tiny):
     )
     losses = tiny.train(model, lambda: namespace["autocast"]("cpu"))
     assert losses == tiny.train(reference, lambda: export.autocast("cpu"))
+
+
+def test_the_exported_program_trains_autoprec_trains_losses():
+    # autoprec.training.run.train is what `autoprec train` runs: once with the policy (the
+    # native runtime), once on the model apply_torchao converted, under an fp32 policy (on a
+    # CPU native mode's fp32 rule changes no bits), same weights, batches and optimizer
+    from torch.utils.data import Subset
+
+    from autoprec.data import load_dataset_for
+    from autoprec.models import ModelSpec, Task
+    from autoprec.models.llama import Llama
+    from autoprec.training.run import train
+
+    from .conftest import TINY
+
+    def spec() -> ModelSpec:
+        torch.manual_seed(0)
+        return ModelSpec.for_tokens(
+            "tiny-llama", Llama(TINY), TINY.seq_len, Task.TOKEN_CLASSIFICATION,
+            TINY.vocab_size, TINY.vocab_size, "user",
+        )  # fmt: skip
+
+    native, exported = spec(), spec()
+    names = [n for n, _ in native.module.named_modules() if ".feed_forward." in n]
+    policy = PrecisionPolicy(default="fp32", layers=dict.fromkeys(names, "fp8"))
+    data = load_dataset_for(native, "teacher-text", seed=0)
+    data = dataclasses.replace(data, val=Subset(data.val, range(8)))  # a short validation
+    expected = train(native, data, policy, steps=3, batch_size=4, mode="native").train_loss
+    apply_torchao(exported.module, policy)
+    fp32 = PrecisionPolicy(default="fp32")
+    losses = train(exported, data, fp32, steps=3, batch_size=4, mode="native").train_loss
+    assert len(losses) == 3 and losses == pytest.approx(expected, rel=1e-6, abs=0)
