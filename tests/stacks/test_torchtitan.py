@@ -80,6 +80,10 @@ def test_what_the_substring_rule_cannot_express_is_refused(tiny):
     policy = PrecisionPolicy(default="fp8", layers={"proj": "fp32"})
     with pytest.raises(StackError, match="cannot give out_proj the policy's format"):
         torchtitan_export(model, policy)
+    # and it leaves a Linear whose dimensions are not multiples of 16 unconverted, silently
+    model.proj = nn.Linear(32, 40)
+    with pytest.raises(StackError, match="cannot give proj the policy's format"):
+        torchtitan_export(model, PrecisionPolicy(default="fp8"))
     with pytest.raises(StackError, match=r"output \(fp32\)"):
         torchtitan_export(tiny.copy(), PrecisionPolicy(default="bf16", layers={"output": "fp32"}))
     with pytest.raises(PolicyMismatchError, match="layers.0.attention.q_proj"):
