@@ -35,8 +35,18 @@ from benchlib import provenance as provenance_lines
 from autoprec.agents import search
 from autoprec.cache import cache_dir as default_cache_dir
 from autoprec.evaluate import RewardConfig
+from autoprec.evaluate.reward import (
+    DEFAULT_WEIGHTS,
+    chinchilla_accuracy_weight,
+    chinchilla_tokens,
+)
 
 DEFAULT_AGENTS = ["ppo", "tpe", "greedy", "random"]
+#: Llama 3 8B's parameters (Meta's model card: 8.03B), the production model of ``llama3-8b``.
+LLAMA3_8B_PARAMS = 8.03e9
+#: Training lengths (tokens) of the table of the best policy by training length: from a short
+#: fine-tune to Llama 3's 15T tokens.
+LENGTHS = (1e9, 1e10, 1e11, 1e12, 15e12)
 
 
 @dataclass
@@ -49,6 +59,18 @@ class Args(ft.Args):
         metadata={"help": "the full-training delta judged: final_loss, run_loss or val_loss"},
     )
     fidelities: list[str] = field(default_factory=list)
+    w_accuracy: float = field(
+        default=DEFAULT_WEIGHTS["accuracy"],
+        metadata={"help": "the reward's accuracy weight (the search's --w-accuracy)"},
+    )
+    params: float = field(
+        default=LLAMA3_8B_PARAMS,
+        metadata={"help": "the production model's parameters, for Chinchilla's loss fit"},
+    )
+
+    @property
+    def reward(self) -> RewardConfig:
+        return RewardConfig({"accuracy": self.w_accuracy})
 
     @property
     def section(self) -> str:
@@ -60,12 +82,15 @@ def priced(problem: Any, assignment: dict[str, str]) -> Any:
     return problem.evaluate(assignment)
 
 
-def truth_reward(metrics: Any, loss_delta: float) -> float:
-    """The search's reward with the full-training loss delta in place of the evaluator's."""
-    return RewardConfig()(dataclasses.replace(metrics, loss_delta=loss_delta))
+def truth_reward(metrics: Any, loss_delta: float, reward: RewardConfig | None = None) -> float:
+    """The search's reward (``reward``, default weights if None) with the full-training loss
+    delta in place of the evaluator's."""
+    return (reward or RewardConfig())(dataclasses.replace(metrics, loss_delta=loss_delta))
 
 
-def row(name: str, metrics: Any, truth: dict, target: str) -> dict[str, Any]:
+def row(
+    name: str, metrics: Any, truth: dict, target: str, reward: RewardConfig | None = None
+) -> dict[str, Any]:
     return {
         "policy": name,
         "speedup": metrics.speedup,
@@ -73,8 +98,54 @@ def row(name: str, metrics: Any, truth: dict, target: str) -> dict[str, Any]:
         "fidelity_delta": metrics.loss_delta,
         "truth_delta": truth[target],
         "per_seed": truth["per_seed"][target],
-        "reward": truth_reward(metrics, truth[target]),
+        "reward": truth_reward(metrics, truth[target], reward),
+        "metrics": metrics,
     }
+
+
+def best_at(rows: dict[str, dict], weight: float) -> str:
+    """The name of the policy of ``rows`` with the highest reward at accuracy weight ``weight``
+    (the full-training delta as its loss delta)."""
+    config = RewardConfig({"accuracy": weight})
+    return max(rows, key=lambda n: truth_reward(rows[n]["metrics"], rows[n]["truth_delta"], config))
+
+
+def overtaken_at(rows: dict[str, dict], weight: float, top: float = 1e4) -> float | None:
+    """The smallest accuracy weight above ``weight`` at which the best policy at ``weight``
+    is no longer the best (bisection: as the weight grows, the best policy's loss delta can
+    only fall, so a policy overtaken stays overtaken); None if it is still the best at ``top``."""
+    first = best_at(rows, weight)
+    if best_at(rows, top) == first:
+        return None
+    low, high = weight, top
+    while high - low > 1e-3 * high:
+        mid = (low + high) / 2
+        low, high = (mid, high) if best_at(rows, mid) == first else (low, mid)
+    return high
+
+
+def by_length(rows: dict[str, dict], args: Args) -> tuple[list[list[str]], str]:
+    """The best policy of the set by training length (the accuracy weight Chinchilla's fit
+    gives a run of ``args.params`` parameters on that many tokens), and a sentence on the
+    length beyond which the best policy at ``args.w_accuracy`` stops being the best."""
+    table = []
+    for tokens in LENGTHS:
+        weight = chinchilla_accuracy_weight(args.params, tokens)
+        best = rows[best_at(rows, weight)]
+        table.append([f"{tokens:.0e}", f"{weight:.1f}", f"`{best['policy']}`",
+                      f"{best['speedup']:.2f}", f"{best['truth_delta']:+.4f}"])  # fmt: skip
+    first = rows[best_at(rows, args.w_accuracy)]
+    weight = overtaken_at(rows, args.w_accuracy)
+    if weight is None:
+        return table, f"`{first['policy']}` stays the best at every accuracy weight."
+    after = rows[best_at(rows, weight * 1.0001)]
+    tokens = chinchilla_tokens(args.params, weight)
+    return table, (
+        f"`{first['policy']}`, the best at accuracy weight {args.w_accuracy:g}, stops being the "
+        f"best at weight {weight:.1f}, where `{after['policy']}` ({after['speedup']:.2f}x, "
+        f"{after['truth_delta']:+.4f}) overtakes it: by Chinchilla's fit, a "
+        f"{args.params / 1e9:.2f}B-parameter model trained on more than {tokens:.2g} tokens."
+    )
 
 
 def dominates(mine: dict, rule: dict) -> bool:
@@ -132,6 +203,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for agent in args.agents:
         t = time.perf_counter()
         fresh = ft.make_problem(args, cache)
+        fresh.reward = args.reward
         result = search(fresh, args.budget, seed=args.search_seed, agent=agent)
         best = result.best
         if best is None:
@@ -148,11 +220,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 ]
             },
         }
-        exports[agent] = row(f"{agent} export", best.metrics, got, args.truth)
+        exports[agent] = row(f"{agent} export", best.metrics, got, args.truth, args.reward)
         exports[agent]["policy_map"] = assignment
         exports[agent]["search_s"] = time.perf_counter() - t
         print(f"{agent}: {exports[agent]['search_s']:.0f} s", flush=True)
-    rows = {n: row(n, priced(problem, a), truth[n], args.truth) for n, a in policies.items()}
+    rows = {
+        n: row(n, priced(problem, a), truth[n], args.truth, args.reward)
+        for n, a in policies.items()
+    }
     body = report(args, policies, rows, exports, truth, time.perf_counter() - start)
     publish(args.section, body, args, path=args.docs)
     return {"rows": rows, "exports": exports}
@@ -221,7 +296,8 @@ def report(args: Args, policies: dict, rows: dict, exports: dict, truth: dict, w
         + ", ".join(f"{r[args.truth]:.4f}" for r in fp32)
         + f". Full-training delta: {ft.TARGET_LABELS[args.truth]} (relative, mean over seeds)"
         + f". Speed and memory: the cost model on {args.target} at "
-        f"{args.train_shape or 'the fine-tuning shape'} (against fp32). Reward: the search's, "
+        f"{args.train_shape or 'the fine-tuning shape'} (against fp32). Reward: the search's "
+        f"(accuracy weight {args.w_accuracy:g}), "
         "with that full-training delta in place of the evaluator's. "
         "Fidelity loss delta: the evaluator's at its default fidelity.",
         "",
@@ -232,6 +308,18 @@ def report(args: Args, policies: dict, rows: dict, exports: dict, truth: dict, w
         "as fast under the cost model and a full-training delta no worse, one strictly):",
         "",
         md_table(["rule", "dominated by", "the fastest of them"], dominators(rows, rules)),
+    ]
+    lengths, crossing = by_length(rows, args)
+    lines += [
+        "",
+        "The best policy of the set by training length: the reward's accuracy weight that prices "
+        "a relative loss increase as the extra tokens that recover it, by Chinchilla's loss fit "
+        f"for a {args.params / 1e9:.2f}B-parameter model "
+        "(`autoprec.evaluate.reward.chinchilla_accuracy_weight`; the loss deltas are these "
+        f"{args.steps}-step runs', taken as the run's relative loss increase at every length). "
+        + crossing,
+        "",
+        md_table(["tokens", "accuracy weight", "best policy", "speedup", "delta"], lengths),
     ]
     if verdicts:
         lines += [

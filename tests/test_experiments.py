@@ -8,6 +8,7 @@ touches the real docs/benchmarks.md (``--docs`` points into tmp_path).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import os
@@ -525,8 +526,11 @@ def test_frontier_quick(tmp_path):
         "frontier_tinycnn",
     )
     _provenance_ok(section)
-    policies, dominated, agents = _tables(section)
+    policies, dominated, lengths, agents = _tables(section)
     assert dominated == []  # no rule applies in quick (no fp8)
+    weights = [_num(r["accuracy weight"]) for r in lengths]
+    assert len(lengths) == 5 and weights == sorted(weights)  # longer runs price loss higher
+    assert {r["best policy"] for r in lengths} <= {r["policy"] for r in policies}
     assert {r["policy"] for r in policies} >= {"`uniform fp32`", "`uniform bf16`"}
     (random_row,) = agents
     assert random_row["agent"] == "random" and _num(random_row["speedup"]) > 0
@@ -545,3 +549,60 @@ def test_frontier_judges_an_export_against_a_rule_by_speed_and_loss_or_reward():
     rules = {"rule a": rule, "rule b": {"speedup": 1.0, "truth_delta": 0.0, "reward": 0.3}}
     text = frontier.verdict({"speedup": 1.3, "truth_delta": 0.01, "reward": 0.2}, rules)
     assert text == "dominates 1 of 2; loses to b"
+
+
+def test_frontier_finds_the_accuracy_weight_where_the_best_policy_is_overtaken():
+    frontier = _load_script("frontier")
+
+    @dataclasses.dataclass
+    class Metrics:  # the fields the reward reads
+        speedup: float
+        loss_delta: float = 0.0
+        memory_ratio: float = 1.0
+        diverged: bool = False
+        feasible: bool = True
+
+    def policy(speedup, delta):
+        return {"metrics": Metrics(speedup), "truth_delta": delta}
+
+    # log(2) - w * 0.02 = log(1.5) - w * 0.005 at w = log(4 / 3) / 0.015 = 19.18
+    rows = {"fast": policy(2.0, 0.02), "accurate": policy(1.5, 0.005), "slow": policy(1.0, 0.0)}
+    assert frontier.best_at(rows, 10.0) == "fast"
+    assert frontier.best_at(rows, 20.0) == "accurate"
+    assert frontier.overtaken_at(rows, 10.0) == pytest.approx(math.log(4 / 3) / 0.015, rel=2e-3)
+    assert frontier.overtaken_at({"fast": rows["fast"]}, 10.0) is None
+
+
+def test_verify_rules_quick(tmp_path):
+    """experiments/verify_rules.py: `autoprec verify` of an export against fp32 and a rule
+    file, each arm priced, with the verdict per rule; the same command again trains nothing."""
+    rules = tmp_path / "rules"
+    rules.mkdir()
+    (rules / "fp16-everywhere.yaml").write_text("autoprec_policy: 1\ndefault: fp16\n")
+    (tmp_path / "export.yaml").write_text("autoprec_policy: 1\ndefault: bf16\n")
+    docs = tmp_path / "benchmarks.md"
+    env = {**os.environ, "AUTOPREC_CACHE_DIR": str(tmp_path / "cache"), "COLUMNS": "160"}
+    command = [
+        sys.executable, str(EXPERIMENTS / "verify_rules.py"), "--policy", "export.yaml",
+        "--rules-dir", "rules", "--target", "h100-sxm", "--write-docs", "--docs", str(docs),
+        "--plot", "curves.png", "--", "--model", "tinycnn", "--steps", "3", "--seeds", "2",
+        "--mode", "emulate", "--no-mlflow",
+    ]  # fmt: skip
+    for _ in range(2):
+        proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=300)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "step:" not in proc.stderr  # the second run read every run back
+    section = _section(docs.read_text(), "verify_rules")
+    _provenance_ok(section)
+    (table,) = _tables(section)
+    assert [r["arm"] for r in table] == ["`policy`", "`fp32`", "`rule fp16-everywhere`"]
+    fp32 = next(r for r in table if r["arm"] == "`fp32`")
+    assert _num(fp32["delta"]) == 0 and _num(fp32["speedup"]) == pytest.approx(1.0)
+    for r in table:  # the search's reward of the priced arm with its verified delta
+        speedup, memory, delta = (float(r[k]) for k in ("speedup", "memory", "delta"))
+        expected = math.log(speedup) - 0.5 * math.log(memory) - 10 * max(0.0, delta)
+        assert float(r["reward"]) == pytest.approx(expected, abs=2e-3)
+    assert "The export (`policy`):" in section and (tmp_path / "curves.png").stat().st_size > 0
+    verified = yaml.safe_load((tmp_path / "verified.yaml").read_text())["verification"]
+    assert list(verified["arms"]) == ["policy", "fp32", "rules/fp16-everywhere.yaml"]

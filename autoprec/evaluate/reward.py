@@ -105,3 +105,56 @@ def reward(
 ) -> float:
     """``RewardConfig(weights, accuracy_tolerance)(metrics)``: the reward of ``metrics``."""
     return RewardConfig(weights, accuracy_tolerance)(metrics)
+
+
+#: Chinchilla's fitted loss of a model of ``N`` parameters trained on ``D`` tokens,
+#: ``L(N, D) = E + A / N**alpha + B / D**beta`` (Hoffmann et al. 2022, arXiv 2203.15556,
+#: eq. 10, "approach 3": E 1.69, A 406.4, B 410.7, alpha 0.34, beta 0.28).
+CHINCHILLA = MappingProxyType({"E": 1.69, "A": 406.4, "B": 410.7, "alpha": 0.34, "beta": 0.28})
+
+
+def chinchilla_accuracy_weight(params: float, tokens: float) -> float:
+    """The accuracy weight that prices a relative loss increase as the extra training it costs.
+
+    At ``tokens`` tokens a model of ``params`` parameters that ends ``delta`` (relative) above
+    its loss needs ``exp(w * delta)`` times the tokens to catch up, to first order in ``delta``,
+    by Chinchilla's fit (:data:`CHINCHILLA`): ``w = L / (-dL/dlnD) = L / (beta * B * D**-beta)``.
+    With ``w`` as ``--w-accuracy`` the reward's ``w_speedup * log(speedup)`` and its accuracy
+    term are in the same unit (log compute); the longer the run, the more a loss increase costs.
+
+    Example:
+        >>> round(chinchilla_accuracy_weight(8e9, 15e12), 1)  # Llama 3 8B's 15T tokens
+        82.9
+
+    Raises:
+        ValueError: ``params`` or ``tokens`` not a positive finite number.
+    """
+    _check_positive(params=params, tokens=tokens)
+    c = CHINCHILLA
+    data = c["B"] / tokens ** c["beta"]
+    loss = c["E"] + c["A"] / params ** c["alpha"] + data
+    return loss / (c["beta"] * data)
+
+
+def chinchilla_tokens(params: float, weight: float) -> float:
+    """The training length (tokens) at which :func:`chinchilla_accuracy_weight` is ``weight``:
+    from ``w = 1 / beta + (E + A / N**alpha) * D**beta / (beta * B)``; 0 when every length
+    exceeds it (``weight`` at most ``1 / beta``, the limit of a run of no tokens).
+
+    Example:
+        >>> round(chinchilla_tokens(8e9, chinchilla_accuracy_weight(8e9, 1e12)) / 1e12, 6)
+        1.0
+    """
+    _check_positive(params=params, weight=weight)
+    c = CHINCHILLA
+    excess = weight - 1.0 / c["beta"]
+    if excess <= 0:
+        return 0.0
+    fixed = c["E"] + c["A"] / params ** c["alpha"]
+    return (excess * c["beta"] * c["B"] / fixed) ** (1.0 / c["beta"])
+
+
+def _check_positive(**values: float) -> None:
+    for name, value in values.items():
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a positive finite number, got {value!r}")
