@@ -1,33 +1,33 @@
 """The search's export against fp32 and every hand rule, by `autoprec verify` (issue 36's proof).
 
-A user's check, run as a user runs it: ``autoprec verify EXPORT --arms fp32,RULES...`` (the
-rule files a search with ``--pareto-dir`` writes under ``rules/``), every arm trained from the
-same checkpoint with the same batches per seed, over ``--seeds`` seeds, with the learning
-curves (``--plot``). Everything after ``--`` is passed to `autoprec verify` as given; this
-script adds the arms and the plot, reads back the ``VerifyResult`` (the same runs: a repeated
-command trains nothing again) and prices each arm with the cost model the search used
-(``--target`` at ``--train-shape``). The table: each arm's final loss over the seeds, its
+What ``autoprec verify EXPORT --arms fp32,RULES...`` does (the rule files a search with
+``--pareto-dir`` writes under ``rules/``), through its library function
+:func:`autoprec.verify.verify`: every arm trained from the same checkpoint with the same batches
+per seed, over ``--seeds`` seeds, with the search's recipe under the options given (as the
+command: :func:`autoprec.training.recipe.from_provenance`), the learning curves (``--plot``)
+and the verified file (``--out``); runs found in the verification store are read back, not
+trained again. Each arm is priced with the cost model the search used (``--target`` at
+``--train-shape``). The table: each arm's final loss over the seeds, its
 delta to fp32, its speedup and memory under the cost model and its reward at
 ``--w-accuracy``; the verdict says, per rule, whether the export dominates it (at least as
 fast and a verified final loss no worse, one strictly) or beats it by the reward only.
 
     python experiments/verify_rules.py --policy runs/lm/best_policy.yaml \\
         --rules-dir runs/lm/pareto/rules --target b200 --train-shape llama3-8b \\
-        --w-accuracy 82.9 --write-docs -- --model llama-small --dataset python-text \\
-        --steps 80 --batch-size 16 --optimizer adamw --lr 3e-4 --mode emulate \\
-        --checkpoint experiments/results/lm/llama-small-python-text-fp32.pt --no-mlflow
+        --w-accuracy 82.9 --model llama-small --dataset python-text --steps 80 \\
+        --batch-size 16 --optimizer adamw --lr 3e-4 --mode emulate \\
+        --checkpoint experiments/results/lm/llama-small-python-text-fp32.pt --write-docs
 """
 
 from __future__ import annotations
 
-import sys
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import benchlib
-from benchlib import DOCS, invocation, md_table, parse_args, provenance, publish
+from benchlib import DOCS, docs_output, invocation, md_table, parse_args, provenance, publish
 from frontier import dominates, verdict
 
 from autoprec.evaluate import RewardConfig
@@ -40,14 +40,21 @@ class Args:
     rules_dir: Path = field(
         default=Path("pareto/rules"), metadata={"help": "the hand rules' policy files"}
     )
+    model: str = "tinycnn"
+    dataset: str | None = None
+    steps: int = 40
+    seeds: int = 3
+    batch_size: int = 32
+    optimizer: str | None = field(default=None, metadata={"help": "default: the search's"})
+    lr: float | None = field(default=None, metadata={"help": "default: the search's"})
+    checkpoint: Path | None = field(default=None, metadata={"help": "every run starts here"})
+    mode: str = "emulate"
     target: str = "b200"
     train_shape: str | None = None
     w_accuracy: float = field(
         default=DEFAULT_WEIGHTS["accuracy"], metadata={"help": "the reward's accuracy weight"}
     )
-    out: Path = field(
-        default=Path("verified.yaml"), metadata={"help": "the verified export (--out)"}
-    )
+    out: Path = field(default=Path("verified.yaml"), metadata={"help": "the verified export"})
     plot: Path | None = field(
         default=None, metadata={"help": "learning curves (default with --write-docs: docs/)"}
     )
@@ -56,27 +63,22 @@ class Args:
     docs: Path = field(default=DOCS, metadata={"help": "the markdown file to write"})
 
 
-def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
-    """This script's options, and `autoprec verify`'s (after ``--``)."""
-    if "--" not in argv:
-        return argv, []
-    i = argv.index("--")
-    return argv[:i], argv[i + 1 :]
+def verify_config(args: Args, policy: Any, arms: list[Path]) -> Any:
+    """`autoprec verify`'s config for these options: the search's recipe (the file's
+    provenance, else the default) with the options given over it."""
+    from autoprec.training.recipe import DEFAULT_RECIPE, from_provenance
+    from autoprec.verify import VerifyConfig
+
+    given = {"batch_size": args.batch_size, "optimizer": args.optimizer, "lr": args.lr}
+    recipe = from_provenance(policy.provenance) or DEFAULT_RECIPE
+    recipe = dataclasses.replace(recipe, **{k: v for k, v in given.items() if v is not None})
+    return VerifyConfig(
+        steps=args.steps, seeds=tuple(range(args.seeds)), arms=("fp32", *map(str, arms)),
+        recipe=recipe, dataset=args.dataset, mode=args.mode,
+    )  # fmt: skip
 
 
-def verify_options(args: Args, passed: list[str], arms: list[Path]) -> dict[str, Any]:
-    """`autoprec verify`'s parsed options, as its command line would give them."""
-    from autoprec.cli.verify import verify as command
-
-    argv = [str(args.policy), *passed, "--target", args.target, "--out", str(args.out)]
-    argv += ["--arms", ",".join(["fp32", *map(str, arms)])]
-    if args.plot is not None:
-        argv += ["--plot", str(args.plot)]
-    with command.make_context("verify", argv) as ctx:
-        return dict(ctx.params)
-
-
-def pricer(args: Args, o: dict[str, Any]) -> Any:
+def pricer(args: Args) -> Any:
     """``policy -> (speedup, memory ratio)`` against fp32, by the cost model the evaluator of
     a search with ``--target`` and ``--train-shape`` uses."""
     from autoprec.evaluate import EvaluatorConfig
@@ -85,9 +87,9 @@ def pricer(args: Args, o: dict[str, Any]) -> Any:
     from autoprec.hardware import get_device
     from autoprec.models import load_model
 
-    workload = Workload(o["model_name"], o["dataset"], train_shape=args.train_shape).resolved()
-    spec = load_model(o["model_name"])
-    cost_spec = production_spec(spec, o["model_name"], None, args.train_shape)
+    workload = Workload(args.model, args.dataset, train_shape=args.train_shape).resolved()
+    spec = load_model(args.model)
+    cost_spec = production_spec(spec, args.model, None, args.train_shape)
     batch = EvaluatorConfig(cost_batch_size=workload.cost_batch_size).resolved_cost_batch_size
     costs = CostEstimator(get_device(args.target), cost_spec, batch, "native", spec.module)
     fp32_time, fp32_memory = costs.fp32
@@ -128,21 +130,25 @@ def arm_name(arm: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    mine, passed = split_argv(list(sys.argv[1:] if argv is None else argv))
-    args = parse_args(Args, __doc__.splitlines()[0], mine)
-    if passed:  # the provenance line shows the whole command
-        benchlib._ARGV.extend(["--", *passed])
+    from autoprec.policy.io import load_policy, save_policy
+    from autoprec.tracking.plots import curves_figure, save_png
+    from autoprec.verify import verify
+
+    args = parse_args(Args, __doc__.splitlines()[0], argv)
     if args.plot is None and args.write_docs:
         args.plot = DOCS.parent / f"{args.section.replace('_', '-')}.png"
     arms = sorted(Path(args.rules_dir).glob("*.yaml"))
     if not arms:
         raise SystemExit(f"no hand-rule policy files in {args.rules_dir}")
-    o = verify_options(args, passed, arms)
-    from autoprec.cli.verify import verify_with_options
-
-    result = verify_with_options(args.policy, o)
+    policy = load_policy(args.policy)
+    config = verify_config(args, policy, arms)
+    result = verify(policy, args.model, config, target=args.target, checkpoint=args.checkpoint)
+    save_policy(policy.replace(verification=result.section()), args.out)  # as the CLI does
+    if args.plot is not None:
+        title = f"{args.model} on {result.dataset}: {args.policy.name} against the hand rules"
+        save_png(docs_output(args.plot), curves_figure(result, title))
     reward = RewardConfig({"accuracy": args.w_accuracy})
-    rows = {arm_name(k): v for k, v in rows_of(result, pricer(args, o), reward).items()}
+    rows = {arm_name(k): v for k, v in rows_of(result, pricer(args), reward).items()}
     rules = {n: r for n, r in rows.items() if n.startswith("rule ")}
     mine = rows["policy"]
     table = [
@@ -153,15 +159,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ]
         for n, r in rows.items()
     ]  # fmt: skip
-    length = f"{o['steps']} steps" if o.get("steps") else f"{o.get('epochs') or 1} epoch(s)"
+    recipe = config.recipe
     body = "\n".join([
-        f"## The export against fp32 and the hand rules, by `autoprec verify` ({o['model_name']})",
+        f"## The export against fp32 and the hand rules, by `autoprec verify` ({args.model})",
         "",
         provenance(invocation(__file__)),
         f"`autoprec verify {args.policy.name}` with arms fp32 and the {len(rules)} hand rules' "
-        f"policy files ({args.rules_dir}): {len(result.config.seeds)} seeds, {length}, each "
-        f"arm from the same weights and batches per seed, on {result.dataset}"
-        + (f", from `{Path(o['checkpoint']).name}`" if o.get("checkpoint") else "")
+        f"policy files ({args.rules_dir}): {args.seeds} seeds, {args.steps} steps at batch "
+        f"{recipe.batch_size} ({recipe.optimizer}, lr {recipe.lr:g}), each arm from the same "
+        f"weights and batches per seed, on {result.dataset}, {args.mode}d"
+        + (f", from `{args.checkpoint.name}`" if args.checkpoint else "")
         + f". Final loss: the mean training loss of the last 10% of steps (mean ± sd over the "
         f"seeds); delta: relative to fp32's. Speedup and memory: the cost model on "
         f"{args.target} at {args.train_shape or 'the training shape'}, against fp32. Reward: "

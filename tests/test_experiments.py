@@ -580,20 +580,14 @@ def test_verify_rules_quick(tmp_path):
     rules.mkdir()
     (rules / "fp16-everywhere.yaml").write_text("autoprec_policy: 1\ndefault: fp16\n")
     (tmp_path / "export.yaml").write_text("autoprec_policy: 1\ndefault: bf16\n")
-    docs = tmp_path / "benchmarks.md"
-    env = {**os.environ, "AUTOPREC_CACHE_DIR": str(tmp_path / "cache"), "COLUMNS": "160"}
-    command = [
-        sys.executable, str(EXPERIMENTS / "verify_rules.py"), "--policy", "export.yaml",
-        "--rules-dir", "rules", "--target", "h100-sxm", "--write-docs", "--docs", str(docs),
-        "--plot", "curves.png", "--", "--model", "tinycnn", "--steps", "3", "--seeds", "2",
-        "--mode", "emulate", "--no-mlflow",
-    ]  # fmt: skip
-    for _ in range(2):
-        proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
-                              timeout=300)  # fmt: skip
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "step:" not in proc.stderr  # the second run read every run back
-    section = _section(docs.read_text(), "verify_rules")
+    args = ["--policy", "export.yaml", "--rules-dir", "rules", "--target", "h100-sxm"]
+    args += ["--plot", "curves.png", "--model", "tinycnn", "--steps", "3", "--seeds", "2"]
+    docs = _run("verify_rules.py", tmp_path, *args)
+    stored = sorted((tmp_path / "cache" / "verify").rglob("*.json"))
+    again = _run("verify_rules.py", tmp_path, *args)  # the runs are read back ...
+    assert sorted((tmp_path / "cache" / "verify").rglob("*.json")) == stored  # ... none added
+    assert _tables(_section(again, "verify_rules")) == _tables(_section(docs, "verify_rules"))
+    section = _section(docs, "verify_rules")
     _provenance_ok(section)
     (table,) = _tables(section)
     assert [r["arm"] for r in table] == ["`policy`", "`fp32`", "`rule fp16-everywhere`"]
@@ -606,3 +600,4 @@ def test_verify_rules_quick(tmp_path):
     assert "The export (`policy`):" in section and (tmp_path / "curves.png").stat().st_size > 0
     verified = yaml.safe_load((tmp_path / "verified.yaml").read_text())["verification"]
     assert list(verified["arms"]) == ["policy", "fp32", "rules/fp16-everywhere.yaml"]
+    assert len(stored) == 6  # 3 arms x 2 seeds

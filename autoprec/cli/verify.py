@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import click
 
@@ -39,9 +39,6 @@ from autoprec.cli.recipe_options import RECIPE_OPTIONS, recipe_from, recipe_opti
 from autoprec.evaluate.reward import DEFAULT_TOLERANCE
 from autoprec.policy.fields import TARGET_MODES
 from autoprec.verify import DEFAULT_ARMS, WARM_START_LR, VerifyConfig, VerifyError
-
-if TYPE_CHECKING:  # pragma: no cover
-    from autoprec.verify import VerifyResult
 
 
 @click.command()
@@ -93,10 +90,32 @@ if TYPE_CHECKING:  # pragma: no cover
 def verify(policy_file: str, **o: Any) -> int:
     """Train POLICY_FILE's policy and the reference arms from scratch and write the verdict."""
     from autoprec.cli.interrupt import terminate_as_interrupt
+    from autoprec.training.recipe import DEFAULT_RECIPE
 
+    names = {f.name for f in dataclasses.fields(VerifyConfig)} - {"seeds", "arms", "recipe"}
+    config = VerifyConfig(
+        **{name: o[name] for name in names & set(o)},
+        recipe=recipe_from(o, DEFAULT_RECIPE, o["batch_size"]),
+        seeds=tuple(range(o["seed"], o["seed"] + max(o["seeds"], 0))),
+        arms=tuple(o["arms"].split(",")),
+    )
     try:
         with terminate_as_interrupt():  # until the runs start: SIGTERM is Ctrl-C
-            verify_with_options(policy_file, o)
+            run_verification(
+                policy_file,
+                o["model_name"],
+                config,
+                out=o["out"],
+                plot=o["plot"],
+                target=o["target"],
+                checkpoint=o["checkpoint"],
+                given={name: o[name] for name in RECIPE_OPTIONS},
+                tracking={
+                    "enabled": not o["no_mlflow"],
+                    "uri": o["tracking_uri"],
+                    "experiment": o["experiment"],
+                },
+            )
     except VerifyInterrupted as err:
         click.echo(f"autoprec: {err}", err=True)
         return err.status
@@ -108,35 +127,6 @@ def verify(policy_file: str, **o: Any) -> int:
         )
         return 130
     return 0
-
-
-def verify_with_options(policy_file: str | Path, o: dict[str, Any]) -> VerifyResult:
-    """:func:`run_verification` with the command's parsed options ``o`` (``verify``'s
-    ``make_context(...).params`` in a script: the same runs, the same cache keys)."""
-    from autoprec.training.recipe import DEFAULT_RECIPE
-
-    names = {f.name for f in dataclasses.fields(VerifyConfig)} - {"seeds", "arms", "recipe"}
-    config = VerifyConfig(
-        **{name: o[name] for name in names & set(o)},
-        recipe=recipe_from(o, DEFAULT_RECIPE, o["batch_size"]),
-        seeds=tuple(range(o["seed"], o["seed"] + max(o["seeds"], 0))),
-        arms=tuple(o["arms"].split(",")),
-    )
-    return run_verification(
-        policy_file,
-        o["model_name"],
-        config,
-        out=o["out"],
-        plot=o["plot"],
-        target=o["target"],
-        checkpoint=o["checkpoint"],
-        given={name: o[name] for name in RECIPE_OPTIONS},
-        tracking={
-            "enabled": not o["no_mlflow"],
-            "uri": o["tracking_uri"],
-            "experiment": o["experiment"],
-        },
-    )
 
 
 def run_verification(
