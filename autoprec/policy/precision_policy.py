@@ -317,7 +317,10 @@ class PrecisionPolicy:
         if device is not None:
             supported = supported_precisions(device)
             resolved = self.resolve(model)
-            unsupported = {n: p for n, p in resolved.items() if p not in supported}
+            # an fp8 recipe or fp8_block runs where fp8 does (DeviceSpec.supports's rule)
+            unsupported = {
+                n: p for n, p in resolved.items() if not {p, Precision(p.hardware)} & supported
+            }
         return PolicyReport(unmatched=unmatched, fingerprint=mismatch, unsupported=unsupported)
 
     def to_dict(self) -> dict[str, Any]:
