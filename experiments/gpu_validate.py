@@ -76,6 +76,7 @@ import statistics
 import tempfile
 import time
 import warnings
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -104,6 +105,7 @@ RESULTS = ROOT / "experiments" / "results"
 # in docs/benchmarks.md: the full run, the CPU dry run, and a later run of some parts
 SECTIONS = ("gpu_validate", "gpu_validate_dry_run", "gpu_validate_rerun")
 TINY = ("tinycnn", "mlp")  # image models that keep their own input size
+SWAPPED = ("Float8Linear", "MXFP8Linear", "Float8BlockwiseLinear", "NVFP4Linear")  # counted
 
 
 @dataclass
@@ -140,8 +142,9 @@ class Args:
     max_minutes: float = field(default=7.0, metadata={"help": "start no new work after this"})
     only: list[str] = field(
         default_factory=list,
-        metadata={"help": "run only these parts: small, llama, image, transformer (default all)"},
+        metadata={"help": "only these parts: small, llama, image, transformer; blocks (alone)"},
     )
+    blocks_policy: Path | None = field(default=None, metadata={"help": "gpu_blocks' searched"})
     section: str = field(
         default="", metadata={"help": "docs section (default gpu_validate; gpu_validate_rerun)"}
     )
@@ -274,7 +277,9 @@ def _llama_seq(args: Args) -> int:
     return (shape or llama.DEFAULT_CONFIG).seq_len
 
 
-def hand_rules(bench: Bench, device: Any, cost_spec: Any) -> list[tuple[str, Any]]:
+def hand_rules(
+    bench: Bench, device: Any, cost_spec: Any, precisions: tuple[str, ...] = ()
+) -> list[tuple[str, Any]]:
     """The hand-written fp8 rules (autoprec.agents.hand_rules) for ``bench`` on ``device``,
     each rule applied at the measured shape (``cost_spec``), as `--agent baseline` does."""
     from autoprec.agents import Problem
@@ -291,7 +296,7 @@ def hand_rules(bench: Bench, device: Any, cost_spec: Any) -> list[tuple[str, Any
         cost_spec=cost_spec,
         config=EvaluatorConfig(cost_batch_size=bench.batch),
     )
-    problem = Problem(evaluator, precisions=tuple(device.supported_precisions))
+    problem = Problem(evaluator, precisions=precisions or tuple(device.supported_precisions))
     return [(name, problem.to_policy(layers)) for name, layers in hand_rule_policies(problem)]
 
 
@@ -480,7 +485,7 @@ def measure(
                 handle = compile_policy(model, policy)
             else:
                 handle = apply_policy(model, policy, mode="native")
-            swapped = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
+            swapped = Counter(type(m).__name__ for m in model.modules())  # torchao's modules
             scaler = LossScaler.from_policy(policy, device=dev)
             opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
             cuda = dev.type == "cuda"
@@ -498,7 +503,8 @@ def measure(
             memory = int(torch.cuda.max_memory_allocated(dev)) if cuda else None
         step = statistics.median(seconds)
         note = _notes(caught)
-        note = "; ".join(filter(None, [f"{swapped} Float8Linear" if swapped else "", note]))
+        kinds = [f"{swapped[k]} {k}" for k in SWAPPED if swapped[k]]
+        note = "; ".join(filter(None, [*kinds, note]))
         return {
             "step_s": step,
             "throughput": bench.batch * bench.tokens / step,
@@ -588,6 +594,18 @@ def measured_vs_predicted(
         runnable = [(n, p) for n, p in named if not isinstance(p, str)]
         runnable.sort(key=lambda row: first.index(row[0]) if row[0] in first else len(first))
         named += [(f"{n}, compiled", p) for n, p in runnable]
+    rows = measure_rows(named, bench, args, dev, (cost_model, table, cost_spec), clock)
+    both = [r for r in rows if "ratio" in r]
+    rho = spearman([r["pred_step_s"] for r in both], [r["step_s"] for r in both])
+    return {"model": bench.name, "rows": rows, "spearman": rho, "no_prediction": why, "how": how}
+
+
+def measure_rows(
+    named: list, bench: Bench, args: Args, dev: torch.device, cost: tuple, clock: Clock
+) -> list[dict[str, Any]]:
+    """Part 2's rows: each ``(name, policy or why not)`` predicted (``cost``: the cost model or
+    None, the table, the costed spec) and measured natively."""
+    cost_model, table, cost_spec = cost
     rows = []
     for name, policy in named:
         if isinstance(policy, str):
@@ -610,9 +628,7 @@ def measured_vs_predicted(
             row["ratio"] = row["step_s"] / row["pred_step_s"]
         rows.append(row)
         print(row, flush=True)
-    both = [r for r in rows if "ratio" in r]
-    rho = spearman([r["pred_step_s"] for r in both], [r["step_s"] for r in both])
-    return {"model": bench.name, "rows": rows, "spearman": rho, "no_prediction": why, "how": how}
+    return rows
 
 
 def _layer_mix(policy: PrecisionPolicy, spec: Any) -> str:
@@ -739,28 +755,24 @@ def report(args: Args, gpu: str, device: Any, small: list, models: list, benchma
     return "\n".join(parts)
 
 
-def copy_sections(source: Path, docs: Path) -> dict[str, Any]:
+def copy_sections(source: Path, docs: Path, sections: tuple = SECTIONS) -> dict[str, Any]:
     """Carry the sections a run wrote elsewhere (the GPU machine's copy) into ``docs``."""
     copied = {}
-    for name in SECTIONS:
+    for name in sections:
         body = read_section(name, source)
         if body is not None:
             write_section(name, body, path=docs)
             copied[name] = body
     if not copied:
-        raise SystemExit(f"no {' or '.join(SECTIONS)} section in {source}")
+        raise SystemExit(f"no {' or '.join(sections)} section in {source}")
     return copied
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(Args, __doc__.splitlines()[0], argv)
-    if args.section_from is not None:
-        return copy_sections(args.section_from, args.docs)
+def start(args: Any) -> tuple[Clock, torch.device, str]:
+    """The clock, the device (CUDA unless ``args.dry_run``) set up to run, and its name."""
     clock = Clock(args.max_minutes)
     if not args.compile_kernels:  # same bits, no minutes of compiling inside the time limit
         os.environ.setdefault("AUTOPREC_COMPILE", "0")
-    from autoprec.hardware import detect, get_device
-
     cuda = torch.cuda.is_available() and not args.dry_run
     if not cuda and not args.dry_run:
         raise SystemExit("no CUDA device here; run with --dry-run to check the script on a CPU")
@@ -769,6 +781,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         torch.backends.cudnn.benchmark = True  # as production training runs
         torch.backends.cuda.matmul.fp32_precision = "ieee"  # TF32 only where a layer asks
         torch.backends.cudnn.conv.fp32_precision = "ieee"
+    return clock, dev, torch.cuda.get_device_name(dev) if cuda else "cpu"
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(Args, __doc__.splitlines()[0], argv)
+    if "blocks" in args.only:  # issue 36's block formats: their own script and docs section
+        import gpu_blocks
+
+        return gpu_blocks.main(gpu_blocks.forwarded(args))
+    if args.section_from is not None:
+        return copy_sections(args.section_from, args.docs)
+    clock, dev, gpu = start(args)
+    from autoprec.hardware import detect, get_device
+
+    cuda = dev.type == "cuda"
     if args.dry_run:
         args.small_model, args.model = "tinycnn", "tinycnn"
         args.small_batch, args.small_steps = 8, 2
@@ -776,7 +803,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.width, args.blocks, args.heads, args.seq_len, args.transformer_batch = 32, 2, 4, 16, 4
         args.search_budget = min(args.search_budget, 30)
         args.llama_shape = ""  # the zoo's own small llama
-    gpu = torch.cuda.get_device_name(dev) if cuda else "cpu"
     device = get_device(args.device) if args.device else (detect() if cuda else None)
     device = device if device is not None else get_device("h100-sxm")
     print(f"device: {gpu}; predictions for {device.name}", flush=True)
