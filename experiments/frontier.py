@@ -132,7 +132,7 @@ def by_length(rows: dict[str, dict], args: Args) -> tuple[list[list[str]], str]:
     for tokens in LENGTHS:
         weight = chinchilla_accuracy_weight(args.params, tokens)
         best = rows[best_at(rows, weight)]
-        table.append([f"{tokens:.0e}", f"{weight:.1f}", f"`{best['policy']}`",
+        table.append([f"{tokens:.2g}", f"{weight:.1f}", f"`{best['policy']}`",
                       f"{best['speedup']:.2f}", f"{best['truth_delta']:+.4f}"])  # fmt: skip
     first = rows[best_at(rows, args.w_accuracy)]
     weight = overtaken_at(rows, args.w_accuracy)
@@ -246,8 +246,9 @@ def _fmt(r: dict) -> list[str]:
 
 
 def label(name: str, policy: dict[str, str]) -> str:
-    """A policy's short name: the rule's, ``uniform nvfp4``, or the count of each format."""
-    if name.startswith("rule "):
+    """A policy's short name: the rule's or the file's, ``uniform nvfp4``, or the count of
+    each format."""
+    if name.startswith(("rule ", "file ")):
         return name
     counts = Counter(policy.values())
     if len(counts) == 1:
