@@ -74,7 +74,8 @@ class Args(ft.Args):
 
     @property
     def section(self) -> str:
-        return f"frontier_{self.slug}" + ft.dataset_suffix(self.dataset)
+        weight = "" if self.w_accuracy == DEFAULT_WEIGHTS["accuracy"] else f"_w{self.w_accuracy:g}"
+        return f"frontier_{self.slug}" + ft.dataset_suffix(self.dataset) + weight
 
 
 def priced(problem: Any, assignment: dict[str, str]) -> Any:
@@ -288,7 +289,9 @@ def report(args: Args, policies: dict, rows: dict, exports: dict, truth: dict, w
         verdicts.append([agent, f"{r['search_s']:.0f}", *_fmt(r)[1:], verdict(r, rules)])
     fp32 = truth["fp32"]["reference"]
     lines = [
-        f"## The export against the hand rules, by full training ({args.model} on {args.dataset})",
+        f"## The export against the hand rules, by full training ({args.model} on {args.dataset}"
+        + ("" if "_w" not in args.section else f", accuracy weight {args.w_accuracy:g}")
+        + ")",
         "",
         provenance_lines(ft.invocation(__file__)),
         f"{len(policies)} policies (the {args.target} hand rules, uniform formats and random "
