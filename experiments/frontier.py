@@ -63,6 +63,9 @@ class Args(ft.Args):
         default=DEFAULT_WEIGHTS["accuracy"],
         metadata={"help": "the reward's accuracy weight (the search's --w-accuracy)"},
     )
+    exports_dir: Path | None = field(
+        default=None, metadata={"help": "write each agent's export here (<agent>.yaml)"}
+    )
     params: float = field(
         default=LLAMA3_8B_PARAMS,
         metadata={"help": "the production model's parameters, for Chinchilla's loss fit"},
@@ -211,6 +214,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"{agent}: no real trial", flush=True)
             continue
         assignment = dict(best.policy)
+        if args.exports_dir is not None:
+            from autoprec.policy.io import save_policy
+
+            Path(args.exports_dir).mkdir(parents=True, exist_ok=True)
+            policy = result.policy_of(best, fresh.evaluator.spec.module)
+            save_policy(policy, Path(args.exports_dir) / f"{agent}.yaml")
         runs = [ft.full_run(args, problem, assignment, s, cache) for s in range(args.seeds)]
         reference = truth["fp32"]["reference"]
         got = {

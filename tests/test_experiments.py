@@ -522,9 +522,13 @@ def test_frontier_quick(tmp_path):
             "--budget",
             "2",
             "--hand-rules",
+            "--exports-dir",
+            "exports",
         ),  # fmt: skip
         "frontier_tinycnn",
     )
+    exported = yaml.safe_load((tmp_path / "exports" / "random.yaml").read_text())
+    assert exported["provenance"]["agent"] == "random"  # the export, for autoprec verify
     _provenance_ok(section)
     policies, dominated, lengths, agents = _tables(section)
     assert dominated == []  # no rule applies in quick (no fp8)
