@@ -238,7 +238,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         n: row(n, priced(problem, a), truth[n], args.truth, args.reward)
         for n, a in policies.items()
     }
-    body = report(args, policies, rows, exports, truth, time.perf_counter() - start)
+    wall = time.perf_counter() - start
+    body = report(args, policies, rows, exports, truth, wall, problem.evaluator.cost_batch_size)
     publish(args.section, body, args, path=args.docs)
     return {"rows": rows, "exports": exports}
 
@@ -278,7 +279,10 @@ def dominators(rows: dict, rules: dict) -> list[list[str]]:
     return out
 
 
-def report(args: Args, policies: dict, rows: dict, exports: dict, truth: dict, wall: float) -> str:
+def report(
+    args: Args, policies: dict, rows: dict, exports: dict, truth: dict, wall: float,
+    cost_batch: int,
+) -> str:  # fmt: skip
     rows = {n: {**r, "policy": label(n, policies[n])} for n, r in rows.items()}
     rules = {n: r for n, r in rows.items() if n.startswith("rule ")}
     uniform = {
@@ -309,7 +313,8 @@ def report(args: Args, policies: dict, rows: dict, exports: dict, truth: dict, w
         + ", ".join(f"{r[args.truth]:.4f}" for r in fp32)
         + f". Full-training delta: {ft.TARGET_LABELS[args.truth]} (relative, mean over seeds)"
         + f". Speed and memory: the cost model on {args.target} at "
-        f"{args.train_shape or 'the fine-tuning shape'} (against fp32). Reward: the search's "
+        f"{args.train_shape or 'the fine-tuning shape'}, batch {cost_batch} (against fp32; "
+        "`autoprec search` costs a named shape at batch 1). Reward: the search's "
         f"(accuracy weight {args.w_accuracy:g}), "
         "with that full-training delta in place of the evaluator's. "
         "Fidelity loss delta: the evaluator's at its default fidelity.",

@@ -98,6 +98,7 @@ def pricer(args: Args) -> Any:
         time, memory = costs.estimate(policy.resolve(spec.module))
         return fp32_time / time, memory / fp32_memory
 
+    price.batch = batch  # type: ignore[attr-defined]
     return price
 
 
@@ -148,7 +149,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         title = f"{args.model} on {result.dataset}: {args.policy.name} against the hand rules"
         save_png(docs_output(args.plot), curves_figure(result, title))
     reward = RewardConfig({"accuracy": args.w_accuracy})
-    rows = {arm_name(k): v for k, v in rows_of(result, pricer(args), reward).items()}
+    price = pricer(args)
+    rows = {arm_name(k): v for k, v in rows_of(result, price, reward).items()}
     rules = {n: r for n, r in rows.items() if n.startswith("rule ")}
     mine = rows["policy"]
     table = [
@@ -171,7 +173,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         + (f", from `{args.checkpoint.name}`" if args.checkpoint else "")
         + f". Final loss: the mean training loss of the last 10% of steps (mean ± sd over the "
         f"seeds); delta: relative to fp32's. Speedup and memory: the cost model on "
-        f"{args.target} at {args.train_shape or 'the training shape'}, against fp32. Reward: "
+        f"{args.target} at {args.train_shape or 'the training shape'}, batch {price.batch} (the "
+        "search's costing batch), against fp32. Reward: "
         f"the search's at accuracy weight {args.w_accuracy:g}, with the verified delta. "
         "Dominated: the export is at least as fast and its verified loss no worse, one "
         "strictly.",
