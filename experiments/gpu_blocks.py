@@ -54,9 +54,9 @@ from gpu_validate import (
     _f,
     _layer_mix,
     _model_table,
-    _software,
     benches,
     copy_sections,
+    device_line,
     hand_rules,
     measure_rows,
     run_small,
@@ -272,8 +272,7 @@ def report(args: Args, gpu: str, device: Any, small: list, result: dict, bench: 
             f"## Block formats on a GPU (issue 36): {kind}",
             "",
             provenance(invocation(__file__)),
-            f"Device: **{gpu}** ({_software(gpu != 'cpu')}); predictions for the database entry "
-            f"**{device.name}**" + (f" (no prediction: {why})" if why else "") + ".",
+            device_line(gpu, device, why),
             "",
             f"Native against emulate: {SMALL_MODEL} on {SMALL_DATA}, batch {args.small_batch} of "
             f"64 bytes, {args.small_steps} SGD steps (lr 0.01, no momentum) from the same "

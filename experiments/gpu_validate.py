@@ -702,6 +702,14 @@ def _software(cuda: bool) -> str:
     return f"CUDA {torch.version.cuda}, cuDNN {cudnn}, torchao {torchao}"
 
 
+def device_line(gpu: str, device: Any, why: str) -> str:
+    """The report's line naming the measured device, its software and the predicted entry."""
+    return (
+        f"Device: **{gpu}** ({_software(gpu != 'cpu')}); predictions for the database entry "
+        f"**{device.name}**" + (f" (no prediction: {why})" if why else "") + "."
+    )
+
+
 def report(args: Args, gpu: str, device: Any, small: list, models: list, benchmarks: list) -> str:
     kind = "CPU dry run (numbers only show that the script works)" if args.dry_run else gpu
     why = next((m["no_prediction"] for m in models if m["no_prediction"]), "")
@@ -709,8 +717,7 @@ def report(args: Args, gpu: str, device: Any, small: list, models: list, benchma
         f"## On a GPU: {kind}",
         "",
         provenance(invocation(__file__)),
-        f"Device: **{gpu}** ({_software(gpu != 'cpu')}); predictions for the database entry "
-        f"**{device.name}**" + (f" (no prediction: {why})" if why else "") + ".",
+        device_line(gpu, device, why),
         "",
     ]
     if small:
