@@ -78,9 +78,9 @@ def verify_config(args: Args, policy: Any, arms: list[Path]) -> Any:
     )  # fmt: skip
 
 
-def pricer(args: Args) -> Any:
-    """``policy -> (speedup, memory ratio)`` against fp32, by the cost model the evaluator of
-    a search with ``--target`` and ``--train-shape`` uses."""
+def pricer(args: Args) -> tuple[Any, int]:
+    """``policy -> (speedup, memory ratio)`` against fp32 by the cost model the evaluator of a
+    search with ``--target`` and ``--train-shape`` uses, and the batch it costs at."""
     from autoprec.evaluate import EvaluatorConfig
     from autoprec.evaluate.costing import CostEstimator
     from autoprec.evaluate.workload import Workload, production_spec
@@ -98,8 +98,7 @@ def pricer(args: Args) -> Any:
         time, memory = costs.estimate(policy.resolve(spec.module))
         return fp32_time / time, memory / fp32_memory
 
-    price.batch = batch  # type: ignore[attr-defined]
-    return price
+    return price, batch
 
 
 def rows_of(result: Any, price: Any, reward: RewardConfig) -> dict[str, dict[str, Any]]:
@@ -149,7 +148,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         title = f"{args.model} on {result.dataset}: {args.policy.name} against the hand rules"
         save_png(docs_output(args.plot), curves_figure(result, title))
     reward = RewardConfig({"accuracy": args.w_accuracy})
-    price = pricer(args)
+    price, cost_batch = pricer(args)
     rows = {arm_name(k): v for k, v in rows_of(result, price, reward).items()}
     rules = {n: r for n, r in rows.items() if n.startswith("rule ")}
     mine = rows["policy"]
@@ -173,7 +172,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         + (f", from `{args.checkpoint.name}`" if args.checkpoint else "")
         + f". Final loss: the mean training loss of the last 10% of steps (mean ± sd over the "
         f"seeds); delta: relative to fp32's. Speedup and memory: the cost model on "
-        f"{args.target} at {args.train_shape or 'the training shape'}, batch {price.batch} (the "
+        f"{args.target} at {args.train_shape or 'the training shape'}, batch {cost_batch} (the "
         "search's costing batch), against fp32. Reward: "
         f"the search's at accuracy weight {args.w_accuracy:g}, with the verified delta. "
         "Dominated: the export is at least as fast and its verified loss no worse, one "
