@@ -131,7 +131,7 @@ def init_weights_option(command: F) -> F:
 def evaluator_options(command: F) -> F:
     """The options :func:`build_evaluator` reads beside the model, data and target: ``--seed``,
     ``--num-classes``, ``--image-size``, ``--train-batch-size``, ``--train-image-size``,
-    ``--train-shape``."""
+    ``--train-shape``, ``--init-weights``, ``--max-samples``."""
     options = [
         click.option("--seed", type=int, default=DEFAULTS["seed"], show_default=True),
         click.option("--num-classes", type=int, default=DEFAULTS["num_classes"], show_default=True),
@@ -157,6 +157,14 @@ def evaluator_options(command: F) -> F:
         ),
         train_shape_option,
         init_weights_option,
+        click.option(
+            "--max-samples",
+            type=int,
+            default=None,
+            metavar="N",
+            help="Keep N examples of the fine-tuning data, train and validation together "
+            "(default: the dataset's own size; python-text: 32768 windows).",
+        ),
     ]
     return _apply(options, command)
 
@@ -180,7 +188,7 @@ def build_evaluator(
         o["model_name"], o["dataset"], o["data_dir"], o["num_classes"], o["image_size"],
         train_shape=o.get("train_shape"), train_image_size=o.get("train_image_size"),
         cost_batch_size=o.get("train_batch_size"), seed=o["seed"],
-        init_weights=o.get("init_weights"),
+        init_weights=o.get("init_weights"), max_samples=o.get("max_samples"),
     ).resolved()  # fmt: skip
     settings = EvaluatorConfig(
         fidelity=fidelity, steps=o["steps"], target_mode=o.get("target_mode") or "native"

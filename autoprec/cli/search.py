@@ -90,6 +90,15 @@ workers_option = click.option(
 @click.option("--w-memory", type=float, **_default("w_memory"))
 @click.option("--w-accuracy", type=float, **_default("w_accuracy"))
 @click.option(
+    "--train-tokens",
+    type=float,
+    default=DEFAULTS["train_tokens"],
+    metavar="TOKENS",
+    help="The production run's length in tokens (e.g. 1e12): sets the accuracy weight to the "
+    "price of a loss increase in the extra tokens that recover it, by Chinchilla's fit for the "
+    "production model's parameters (instead of --w-accuracy).",
+)
+@click.option(
     "--precisions",
     default=DEFAULTS["precisions"],
     help="The precisions the search may choose from, comma-separated (default: every one the "

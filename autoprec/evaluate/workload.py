@@ -9,7 +9,7 @@ search (:mod:`autoprec.pipeline`), ``autoprec migrate``, the environment factory
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from autoprec.evaluate.config import EvaluatorConfig
 
@@ -50,6 +50,8 @@ class Workload:
         init_weights: a weights file the model starts from instead of fresh weights: a
             checkpoint of ``autoprec train`` or a state dict (continued training; the
             evaluator's warm start, keyed by the initial weights, continues from it).
+        max_samples: the examples the data keeps, train and validation together (its
+            ``max_samples``; None: the dataset's own size).
     """
 
     model: str
@@ -63,6 +65,7 @@ class Workload:
     cost_batch_size: int | None = None
     seed: int = 0
     init_weights: str | None = None
+    max_samples: int | None = None
 
     def resolved(self) -> Workload:
         """This workload with the search's costing batch: ``cost_batch_size``, else the named
@@ -122,6 +125,22 @@ def production_spec(
     if train_image_size is not None and len(spec.input_shape) == 3:
         return load_model(name, image_size=train_image_size, **classes)
     return spec
+
+
+def production_parameters(workload: Workload, cost_spec: ModelSpec) -> int:
+    """Parameters of the model production trains: at a named shape of a zoo Llama, the named
+    model at its own depth (``llama3-8b``: Meta's 8.03B; the cost spec keeps the zoo model's
+    depth, and for ``llama-moe`` every expert counts); else the cost spec's."""
+    from autoprec.models.llama import Llama, config_parameters
+
+    module = cost_spec.module
+    if workload.train_shape is not None and isinstance(module, Llama):
+        from autoprec.models import llama, moe
+
+        family = moe if isinstance(module, moe.LlamaMoE) else llama
+        depth = family.PRODUCTION_SHAPES[workload.train_shape].n_layers
+        return config_parameters(replace(module.config, n_layers=depth), type(module))
+    return sum(p.numel() for p in module.parameters())
 
 
 class InitWeightsError(ValueError):
@@ -187,11 +206,14 @@ def training_spec(workload: Workload, *, seed: int | None = 0) -> ModelSpec:
 
 def workload_data(spec: ModelSpec, workload: Workload) -> DataBundle:
     """``workload``'s data for ``spec`` (:func:`autoprec.data.load_dataset_for`): its
-    dataset (None: the default for the model's task) from ``data_dir``, seeded by ``seed``."""
+    dataset (None: the default for the model's task) from ``data_dir``, seeded by ``seed``,
+    with at most ``max_samples`` examples."""
     from autoprec.data import load_dataset_for
 
-    root = {"root": workload.data_dir} if workload.data_dir else {}
-    return load_dataset_for(spec, workload.dataset, seed=workload.seed, **root)
+    options: dict[str, Any] = {"root": workload.data_dir} if workload.data_dir else {}
+    if workload.max_samples is not None:
+        options["max_samples"] = workload.max_samples
+    return load_dataset_for(spec, workload.dataset, seed=workload.seed, **options)
 
 
 def build_evaluator(

@@ -315,6 +315,17 @@ def build_llama_small_shape(
     return _spec(config, "llama-small")
 
 
+def config_parameters(config: LlamaConfig, cls: type[Llama] = Llama) -> int:
+    """The parameters of a ``cls`` built at ``config`` (on the meta device: no memory).
+
+    Example:
+        >>> round(config_parameters(PRODUCTION_SHAPES["llama3-8b"]) / 1e9, 2)  # Meta: 8.03B
+        8.03
+    """
+    with torch.device("meta"):
+        return sum(p.numel() for p in cls(config).parameters())
+
+
 def check_tokens_only(image_size: int | None, in_channels: int | None, name: str = "llama") -> None:
     """Refuse the image settings for token model ``name``."""
     if image_size is not None or in_channels is not None:

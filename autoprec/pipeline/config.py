@@ -55,6 +55,8 @@ OPTION_RANGES = {
     "w_speedup": NumberRange(low=0, example="1.0"),
     "w_memory": NumberRange(low=0, example="0.5"),
     "w_accuracy": NumberRange(low=0, example="1.0"),
+    "train_tokens": NumberRange(low=1, example="1e12"),
+    "max_samples": NumberRange(integer=True, low=2, high=INT32_MAX, example="4096"),
 }
 
 
@@ -82,6 +84,11 @@ class SearchConfig:
         accuracy_tolerance: the relative training-loss increase over fp32 above which the
             reward is penalised.
         w_speedup, w_memory, w_accuracy: the reward's weights.
+        train_tokens: the production run's length in tokens: sets ``w_accuracy`` to the
+            weight that prices a loss increase as the extra tokens that recover it, by
+            Chinchilla's fit for the production model's parameters
+            (:func:`autoprec.evaluate.reward.chinchilla_accuracy_weight`); None: ``w_accuracy``
+            as given. Not with a ``w_accuracy`` other than the default.
         precisions: those the search may choose from, comma-separated (None: every one the
             target runs); a list or tuple of names is joined.
         target_mode: ``native`` (every layer runs natively on the target) or ``emulate``.
@@ -92,6 +99,8 @@ class SearchConfig:
         init_weights: a weights file the model starts from (continued training from a
             checkpoint of ``autoprec train`` or a state dict; None: fresh weights); the
             verification (``verify``) starts every run from it too.
+        max_samples: the examples the fine-tuning data keeps, train and validation together
+            (None: the dataset's own size).
         workers: processes that run evaluations side by side on a CPU (None: automatic).
         out: the best policy's file; pareto_dir: where the Pareto policies go (None: nowhere).
         storage, study_name, resume: the Optuna storage, the search's name, and whether to
@@ -117,6 +126,7 @@ class SearchConfig:
     w_speedup: float = DEFAULT_WEIGHTS["speedup"]
     w_memory: float = DEFAULT_WEIGHTS["memory"]
     w_accuracy: float = DEFAULT_WEIGHTS["accuracy"]
+    train_tokens: float | None = None
     precisions: str | None = None
     target_mode: str = "native"
     seed: int = 0
@@ -126,6 +136,7 @@ class SearchConfig:
     train_image_size: int | None = None
     train_shape: str | None = None
     init_weights: str | None = None
+    max_samples: int | None = None
     workers: int | None = None
     out: str = "best_policy.yaml"
     pareto_dir: str | None = None
@@ -153,6 +164,11 @@ class SearchConfig:
             if expected is not None and not (value is None and name in _OPTIONAL):
                 raise SearchSetupError(f"{name}: expected {expected}; got {kind(value)}")
         check_options(values, {name: name for name in values})
+        if self.train_tokens is not None and self.w_accuracy != DEFAULT_WEIGHTS["accuracy"]:
+            raise SearchSetupError(
+                "train_tokens (--train-tokens) sets the accuracy weight; give it or w_accuracy "
+                "(--w-accuracy), not both"
+            )
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], **overrides: Any) -> SearchConfig:

@@ -23,7 +23,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autoprec.evaluate.config import EvaluatorConfig
-from autoprec.evaluate.workload import Workload, build_evaluator, fallback_note, resolve_target
+from autoprec.evaluate.workload import (
+    Workload,
+    build_evaluator,
+    fallback_note,
+    production_parameters,
+    resolve_target,
+)
 from autoprec.pipeline.callbacks import SearchCallbacks
 from autoprec.pipeline.config import (
     DEFAULT_STORAGE,
@@ -40,6 +46,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from autoprec.agents import Problem
     from autoprec.agents.result import SearchResult, Trial
     from autoprec.evaluate import Evaluator, Metrics
+    from autoprec.evaluate.reward import RewardConfig
+    from autoprec.models import ModelSpec
     from autoprec.policy import PrecisionPolicy
     from autoprec.verify import VerifyConfig
 
@@ -70,6 +78,7 @@ class _Run:
 
     def __init__(self, config: SearchConfig, callbacks: SearchCallbacks) -> None:
         self.c = config
+        self.train_tokens = config.train_tokens  # the config keeps the weight it sets
         self.tell = callbacks
         self.phases: dict[str, float] = {}
         self.latest: SearchResult | None = None  # the newest result seen by the search
@@ -209,6 +218,7 @@ class _Run:
             c.model, c.dataset, c.data_dir, c.num_classes, c.image_size,
             train_shape=c.train_shape, train_image_size=c.train_image_size,
             cost_batch_size=c.train_batch_size, seed=c.seed, init_weights=c.init_weights,
+            max_samples=c.max_samples,
         ).resolved()  # fmt: skip
         with self._phase("model and data"):
             settings = EvaluatorConfig(
@@ -225,6 +235,8 @@ class _Run:
             f"costs for {device.name} at batch {c.train_batch_size}, input "
             f"{tuple(cost_spec.input_shape)}"
         )
+        if c.train_tokens is not None:
+            reward = self._reward_for_length(workload, cost_spec)
         # a model with no layer to tune is refused here, before the warm start
         problem = Problem(evaluator, fidelity=c.fidelity, reward=reward, precisions=precisions)
         with self._phase("warm start and fp32 reference", draws_progress=True):
@@ -243,6 +255,22 @@ class _Run:
         pareto = Path(c.pareto_dir) if c.pareto_dir else None
         self.exporter = Exporter(self.tell.line, spec, device, Path(c.out), pareto)
         return problem, self._agent_kwargs()
+
+    def _reward_for_length(self, workload: Workload, cost_spec: ModelSpec) -> RewardConfig:
+        """The reward at ``train_tokens``' accuracy weight (Chinchilla's price of a loss increase
+        for the production model), said in one line; the config takes the weight."""
+        from autoprec.evaluate.reward import RewardConfig, chinchilla_accuracy_weight
+
+        params = production_parameters(workload, cost_spec)
+        weight = chinchilla_accuracy_weight(params, self.train_tokens)
+        self.c = c = dataclasses.replace(self.c, w_accuracy=weight, train_tokens=None)
+        self.tell.line(
+            f"accuracy weight {weight:.1f}: a relative loss increase priced as the tokens that "
+            f"recover it, by Chinchilla's fit for {params / 1e9:.2f}B parameters trained on "
+            f"{self.train_tokens:.3g} tokens"
+        )
+        weights = {"speedup": c.w_speedup, "memory": c.w_memory, "accuracy": weight}
+        return RewardConfig(weights, c.accuracy_tolerance)
 
     def _search_name(self) -> str:
         """The name the search's state is kept under (``study_name``, else the default)."""
@@ -317,6 +345,8 @@ class _Run:
                 "train_image_size": c.train_image_size,
                 "train_shape": c.train_shape,
                 "init_weights": c.init_weights,
+                "max_samples": c.max_samples,
+                "train_tokens": self.train_tokens,
                 "image_size": c.image_size,
                 "num_classes": c.num_classes,
                 "study_name": self._search_name(),
@@ -411,9 +441,16 @@ class _Run:
                 "interrupted": str(interrupted).lower(),
                 **to_provenance(self.problem.evaluator.config.recipe),
                 WARM_START_LR: float(f"{self.problem.evaluator.warm_start_lr:g}"),
+                **{f"w_{k}": float(f"{w:.6g}") for k, w in self.problem.reward.weights.items()},
+                **self._given({"train_tokens": self.train_tokens, "max_samples": c.max_samples}),
                 **self._run_provenance(),
             }
         )
+
+    @staticmethod
+    def _given(values: dict[str, Any]) -> dict[str, Any]:
+        """``values`` but those left at None."""
+        return {k: v for k, v in values.items() if v is not None}
 
     def _run_provenance(self) -> dict[str, str]:
         tracker = self.tracker
