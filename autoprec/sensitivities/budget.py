@@ -227,19 +227,24 @@ def _spread(indexes: Sequence[int]) -> list[int]:
 def priority(names: Sequence[str], params: Sequence[int]) -> list[int]:
     """Layer indexes (execution order) in the order a focused sweep measures them.
 
-    Layers are grouped by :func:`role`; the roles are taken in turn, those with the most
-    parameters first, and each role's layers spread over its depth (first, last, middle, ...),
-    so that every prefix covers each role evenly for :func:`fill` to interpolate.
+    Layers are grouped by :func:`role`; the roles are taken in turn and each role's layers
+    spread over its depth (first, last, middle, ...), so that every prefix covers each role
+    evenly for :func:`fill` to interpolate. The layers alone in their role come first (the
+    stem, the embedding, the output head: :func:`fill` has no layer of their kind to
+    interpolate them from, and they are the layers the hand rules single out), then the
+    repeated roles, those with the most parameters first.
 
     Example:
         >>> names = ["embed", "b.0.attn", "b.0.mlp", "b.1.attn", "b.1.mlp", "b.2.attn", "b.2.mlp"]
         >>> priority([*names, "head"], [4, 2, 8, 2, 8, 2, 8, 1])
-        [2, 1, 0, 7, 6, 5, 4, 3]
+        [0, 7, 2, 1, 6, 5, 4, 3]
     """
     groups: dict[str, list[int]] = {}
     for i, name in enumerate(names):
         groups.setdefault(role(name), []).append(i)
-    ranked = sorted(groups.values(), key=lambda g: (-sum(params[i] for i in g), g[0]))
+    ranked = sorted(
+        groups.values(), key=lambda g: (len(g) > 1, -sum(params[i] for i in g), g[0])
+    )
     queues = [_spread(g) for g in ranked]
     order: list[int] = []
     while len(order) < len(names):
