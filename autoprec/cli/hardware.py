@@ -108,8 +108,30 @@ def detect() -> None:
 @hardware.command()
 @click.option("--device", default=None, help="Database entry the measurement stands for.")
 @click.option("--repeats", type=int, default=5, show_default=True)
-def calibrate(device: str | None, repeats: int) -> None:
-    """Measure this machine's matmul rates and copy bandwidth; the cost model then uses them."""
+@click.option(
+    "--from",
+    "measurements",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Fit the device's factors to the training steps of this measurement file instead of "
+    "measuring here (e.g. experiments/results/gpu_validate-h200-steps.json).",
+)
+@click.option(
+    "--output",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="With --from: write the calibration here instead of the device's cache entry.",
+)
+def calibrate(
+    device: str | None, repeats: int, measurements: str | None, output: str | None
+) -> None:
+    """Measure this machine's matmul rates and copy bandwidth, or (--from) fit the factors to
+    measured training steps; the cost model then uses them for that device."""
+    if measurements is not None:
+        _calibrate_from(measurements, device, output)
+        return
+    if output is not None:
+        raise click.UsageError("--output goes with --from (a local measurement is cached)")
     from autoprec.hardware.calibration import calibrate as run
     from autoprec.hardware.calibration import calibration_path
 
@@ -124,6 +146,45 @@ def calibrate(device: str | None, repeats: int) -> None:
         f"({result.bandwidth_efficiency:.0%} of the database figure)"
     )
     console.print(f"saved {calibration_path(result.device)}")
+
+
+def _calibrate_from(measurements: str, device: str | None, output: str | None) -> None:
+    """``autoprec hardware calibrate --from FILE``: the fit, its held-out errors, the factors."""
+    from autoprec.hardware.fit import FitReport, calibrate_from_steps
+
+    report = calibrate_from_steps(measurements, _measured_table, device=device, output=output)
+    console = _console()
+    before, after = (FitReport.median_abs(e) for e in (report.errors_before, report.errors_after))
+    console.print(
+        f"{report.device}: fitted to {len(report.fit_rows)} measured steps; "
+        f"{len(report.held_out)} held out"
+        + (
+            f", median |error| {before:.1%} with the published factors, {after:.1%} fitted"
+            if before is not None
+            else ""
+        )
+    )
+    for key, value in report.fitted.to_dict().items():
+        was = getattr(report.start, key)
+        if isinstance(value, dict):
+            changed = {p: v for p, v in value.items() if abs(v - report.start.compute[p]) > 1e-3}
+            if changed:
+                console.print(f"  {key}: " + ", ".join(f"{p} {v:.3g}" for p, v in changed.items()))
+        elif value != was:
+            console.print(f"  {key}: {value:.3g} (was {was:.3g})")
+    console.print(f"saved {report.path}")
+
+
+def _measured_table(row):
+    """The layer table of a measured row's model at its batch (built on the meta device)."""
+    import torch
+
+    from autoprec.graph import analyze
+    from autoprec.models import load_model
+
+    with torch.device("meta"):
+        spec = load_model(row.model, **row.build)
+    return analyze(spec, row.batch_size, cache=True)
 
 
 @hardware.command()
@@ -142,6 +203,14 @@ def calibrate(device: str | None, repeats: int) -> None:
     show_default=True,
     help="Activation layout: contiguous (NCHW, PyTorch's default) or channels_last (NHWC).",
 )
+@click.option(
+    "--execution",
+    type=click.Choice(["eager", "compiled"]),
+    default=None,
+    help="The program that runs: eager, or under torch.compile (casts and element-wise chains "
+    "fused). Default: the policy file's target.execution, else eager with torchao's fp8 casts "
+    "priced as compiled.",
+)
 @click.option("--json", "as_json", is_flag=True)
 def estimate(
     model_name,
@@ -153,6 +222,7 @@ def estimate(
     policy_file,
     optimizer,
     memory_format,
+    execution,
     as_json,
 ) -> None:
     """Predicted training-step time, throughput and memory of a model under a policy.
@@ -173,16 +243,25 @@ def estimate(
     if precision is not None:
         cost_model.rate(precision)
     policy = precision if policy_file is None else load_policy(policy_file)
+    if execution is None and policy_file is not None and policy.target is not None:
+        execution = policy.target.execution  # the program the file was priced for
     table = analyze_named(model_name, batch_size, num_classes=num_classes, image_size=image_size)
     result = cost_model.step(
-        table, policy, optimizer=optimizer, batch_size=batch_size, memory_format=memory_format
+        table,
+        policy,
+        optimizer=optimizer,
+        batch_size=batch_size,
+        memory_format=memory_format,
+        execution=execution,
     )
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2))
         return
     console = _console()
     console.print(
-        f"{table.model} on {device}, batch {batch_size}, {optimizer}, {memory_format}: "
+        f"{table.model} on {device}, batch {batch_size}, {optimizer}, {memory_format}"
+        + (f", {execution}" if execution else "")
+        + ": "
         f"step {result.step_time_s * 1e3:.1f} ms, {result.throughput:,.0f} samples/s, "
         f"memory {result.memory_bytes / 2**30:.2f} GiB"
     )

@@ -1,9 +1,17 @@
-"""Calibration: measure the local device's matmul rate per format and its copy bandwidth.
+"""Calibration: the efficiency factors of one device, measured here or fitted to step times.
 
 The cost model's efficiency factors (achieved / peak) default to documented values; a
-calibration replaces them for the device it ran on. Results live in the user's cache
+calibration replaces them for its device. Two kinds, one file per device in the user's cache
 (``$AUTOPREC_CACHE_DIR/calibration/<device>.json``, default ``~/.cache/autoprec``), written
-atomically, and :func:`load_efficiency` hands them to :class:`~autoprec.hardware.CostModel`.
+atomically, which :func:`load_efficiency` hands to :class:`~autoprec.hardware.CostModel`:
+
+- measured (:func:`calibrate`): the local device's matmul rate per format and its copy
+  bandwidth;
+- fitted (:func:`save_fitted`): every factor, the execution modes' included, fitted to training
+  steps measured on the device (:mod:`autoprec.hardware.fit`; ``autoprec hardware calibrate
+  --from FILE``); its file holds the :class:`Efficiency` and what it was fitted to.
+
+A damaged file is ignored with a warning (the published factors apply).
 """
 
 from __future__ import annotations
@@ -11,16 +19,27 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from autoprec.cache import cache_dir, write_entry
+from autoprec.cache import cache_dir, note, reason, write_atomic, write_entry
 from autoprec.hardware.database import DeviceSpec, detect, get_device
 from autoprec.hardware.factors import Efficiency, fill_compute
 
-__all__ = ["Calibration", "calibrate", "load_calibration", "load_efficiency", "calibration_path"]
+__all__ = [
+    "FITTED",
+    "Calibration",
+    "calibrate",
+    "calibration_path",
+    "load_calibration",
+    "load_efficiency",
+    "save_fitted",
+]
+
+#: The ``kind`` of a fitted calibration's file (a measured one has none).
+FITTED = "fitted"
 
 
 @dataclass(frozen=True)
@@ -158,30 +177,95 @@ def calibrate(
 
 
 def load_calibration(device_name: str) -> Calibration | None:
-    """The stored calibration of a device, or None (missing or unreadable file)."""
-    path = calibration_path(device_name)
+    """The stored measured calibration of a device, or None (none, a fitted one, or an
+    unreadable file)."""
+    doc = _read(calibration_path(device_name))
+    if doc is None or doc.get("kind") == FITTED:
+        return None
     try:
-        return Calibration(**json.loads(path.read_text()))
-    except (OSError, ValueError, TypeError):
+        return Calibration(**doc)
+    except TypeError:
         return None
 
 
-def load_efficiency(device_name: str) -> Efficiency | None:
+def save_fitted(
+    device: str, efficiency: Efficiency, fit: Mapping[str, object], path: Path | None = None
+) -> Path:
+    """Store ``efficiency`` fitted to measured steps as ``device``'s calibration (``path``:
+    elsewhere), with ``fit`` (what it was fitted to, its errors) beside it; returns the path.
+
+    Raises:
+        OSError: the file cannot be written (the user asked for it: not a cache note).
+    """
+    path = calibration_path(get_device(device).name) if path is None else Path(path)
+    doc = {
+        "kind": FITTED,
+        "device": device,
+        "efficiency": efficiency.to_dict(),
+        "fit": dict(fit),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    write_atomic(path, lambda fh: json.dump(doc, fh, indent=2))
+    return path
+
+
+def load_efficiency(device_name: str, path: Path | None = None) -> Efficiency | None:
     """Efficiency factors from a stored calibration (None without one), for the cost model.
 
-    Precisions the calibration could not measure (fp8, tf32 on a CPU) take their default scaled
-    as the nearest wider measured precision is (:func:`~autoprec.hardware.factors.fill_compute`).
+    A fitted calibration gives its factors as fitted. For a measured one, precisions it could
+    not measure (fp8, tf32 on a CPU) take their default scaled as the nearest wider measured
+    precision is (:func:`~autoprec.hardware.factors.fill_compute`). A damaged file (not JSON,
+    wrong fields, factors out of range) is ignored with a warning.
+
+    Args:
+        device_name: the database entry.
+        path: read this file instead of the device's calibration in the cache.
     """
-    calibration = load_calibration(device_name)
-    if calibration is None:
+    path = calibration_path(device_name) if path is None else Path(path)
+    doc = _read(path)
+    if doc is None:
         return None
     try:
-        supported = get_device(device_name).supported_precisions
-    except ValueError:  # a calibration of a device the database no longer knows
-        supported = tuple(calibration.compute_efficiency)
-    default = Efficiency()
-    return Efficiency(
-        compute=fill_compute(calibration.compute_efficiency, supported),
-        bandwidth=calibration.bandwidth_efficiency,
-        kernel_overhead_s=default.kernel_overhead_s,
+        if doc.get("kind") == FITTED:
+            return Efficiency.from_dict(doc["efficiency"])
+        calibration = Calibration(**doc)
+        try:
+            supported = get_device(device_name).supported_precisions
+        except ValueError:  # a calibration of a device the database no longer knows
+            supported = tuple(calibration.compute_efficiency)
+        return Efficiency(
+            compute=fill_compute(calibration.compute_efficiency, supported),
+            bandwidth=calibration.bandwidth_efficiency,
+            kernel_overhead_s=Efficiency().kernel_overhead_s,
+        )
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        _damaged(path, exc)
+        return None
+
+
+def _read(path: Path) -> dict | None:
+    """The JSON object of a calibration file; None when there is none, or (with a warning)
+    when it cannot be read as one."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        _damaged(path, exc)
+        return None
+    try:
+        doc = json.loads(text)
+    except ValueError as exc:
+        _damaged(path, exc)
+        return None
+    if not isinstance(doc, dict):
+        _damaged(path, ValueError(f"expected a JSON object, got {type(doc).__name__}"))
+        return None
+    return doc
+
+
+def _damaged(path: Path, exc: BaseException) -> None:
+    note(
+        f"ignoring the calibration {path} ({reason(exc)}): the cost model uses the published "
+        "factors; run `autoprec hardware calibrate` again or delete the file"
     )

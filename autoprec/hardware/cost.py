@@ -32,12 +32,13 @@ kernel overhead per kernel):
   (:meth:`CostModel.program`, from the data flow the analysis recorded and the runtime's rule in
   :mod:`autoprec.hardware.program`: a cast where a tensor meets a layer of another dtype,
   weights once per step, autocast's fp32 operations on CUDA, autograd's casts of promoted
-  gradients, torchao's fp8 casts with their amax read). Each is one kernel that reads the
-  source and writes the target; a torchao fp8 cast is priced as ``torch.compile`` fuses it
-  (:func:`autoprec.hardware.memory.cast_traffic`). A table without a recorded flow (built by
-  hand) falls back to one cast wherever a layer's storage format differs from its
-  predecessor's in execution order, forward and backward, a weight copy per low layer, and for
-  fp8 one extra read of input and weight.
+  gradients, torchao's fp8 casts with their amax read), priced as the step's execution mode
+  runs them (``execution``: eager, one kernel per operation; compiled, casts fused into their
+  neighbours; by default torchao's fp8 casts as compiled and the rest eager:
+  :func:`autoprec.hardware.memory.cast_traffic`). A table without a recorded flow (built by
+  hand) falls back, in every mode, to one cast wherever a layer's storage format differs from
+  its predecessor's in execution order, forward and backward, a weight copy per low layer, and
+  for fp8 one extra read of input and weight.
 - Element-wise and normalisation work (``other_s``): the analysis measures, on the meta
   device, the bytes read and written and the number of kernels of every op that is not a
   matmul or convolution (norms, activations, pooling, residual adds, softmax), forward and
@@ -86,10 +87,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+from autoprec._text import excerpt
 from autoprec.hardware.database import DeviceSpec, get_device
 from autoprec.hardware.efficiency import CostModelError, Efficiency, default_efficiency
 from autoprec.hardware.factors import BLOCK_FP8_GEMM_EFFICIENCY, ROWWISE_GEMM_EFFICIENCY
 from autoprec.hardware.memory import (
+    EXECUTION_MODES,
     STORAGE_BYTES,
     activation_ratio,
     cast_traffic,
@@ -171,10 +174,13 @@ class CostModel:
             )
         self.efficiency = efficiency if efficiency is not None else default_efficiency(self.device)
         self._bandwidth = self.device.memory_bandwidth * self.efficiency.bandwidth
-        self._rates: dict[str, float] = {}
+        self._rates: dict[tuple[str, bool], float] = {}
 
-    def rate(self, precision: str | Precision, *, layer: str | None = None) -> float:
-        """Achieved FLOP/s of matrix work at ``precision``.
+    def rate(
+        self, precision: str | Precision, *, layer: str | None = None, conv: bool = False
+    ) -> float:
+        """Achieved FLOP/s of matrix work at ``precision`` (a convolution's with ``conv``:
+        :meth:`Efficiency.conv <autoprec.hardware.factors.Efficiency.conv>`).
 
         Raises:
             CostModelError: the device cannot run ``precision`` (the message names the
@@ -182,8 +188,8 @@ class CostModel:
                 precision at least as wide.
         """
         p = parse_precision(precision).value
-        if p in self._rates:
-            return self._rates[p]
+        if (p, conv) in self._rates:
+            return self._rates[p, conv]
         spec, where = self.device, f" (layer {layer!r})" if layer else ""
         if not spec.supports(p):
             raise CostModelError(
@@ -193,20 +199,17 @@ class CostModel:
         # This precision and every wider one the device runs: a narrower format is taken to
         # be never slower than a wider one.
         wider = [q for q in PRECISION_NAMES[: PRECISION_NAMES.index(p) + 1] if spec.supports(q)]
-        rated = [
-            spec.peak_tflops[q] * 1e12 * self.efficiency.compute[q]
-            for q in wider
-            if q in spec.peak_tflops
-        ]
+        factor = self.efficiency.conv if conv else self.efficiency.compute.__getitem__
+        rated = [spec.peak_tflops[q] * 1e12 * factor(q) for q in wider if q in spec.peak_tflops]
         if not rated or not max(rated) > 0:
             raise CostModelError(
                 f"device {spec.name!r} has no published rate for {p} or any wider precision"
                 f"{where}; rated: {', '.join(spec.peak_tflops) or 'none'}"
             )
-        self._rates[p] = max(rated)
-        return self._rates[p]
+        self._rates[p, conv] = max(rated)
+        return self._rates[p, conv]
 
-    def _memory_s(self, nbytes: float, kernels: int = 1) -> float:
+    def _memory_s(self, nbytes: float, kernels: float = 1) -> float:
         return nbytes / self._bandwidth + kernels * self.efficiency.kernel_overhead_s
 
     def layer_cost(
@@ -232,7 +235,7 @@ class CostModel:
             high: the activations' dtype, for an fp8 recipe's high-precision GEMM.
         """
         p = parse_precision(precision)
-        rate = self.rate(p, layer=row.name) if rate is None else rate
+        rate = self.rate(p, layer=row.name, conv=_is_conv(row)) if rate is None else rate
         ratio = p.bytes_ratio
         fwd_bytes = ((row.input_bytes + row.output_bytes) * scale + row.weight_bytes) * ratio
         overhead = self.efficiency.kernel_overhead_s
@@ -271,6 +274,7 @@ class CostModel:
         optimizer: str = "sgd",
         batch_size: int | None = None,
         memory_format: str = "contiguous",
+        execution: str | None = None,
     ) -> StepEstimate:
         """Estimate one training step of the analysed model under ``policy``.
 
@@ -283,13 +287,20 @@ class CostModel:
             memory_format: how activations are laid out, ``"contiguous"`` (NCHW, PyTorch's
                 default) or ``"channels_last"`` (``model.to(memory_format=torch.channels_last)``);
                 on NVIDIA devices NCHW tensor-core convolutions pay layout transposes.
+            execution: the program that runs, ``"eager"`` or ``"compiled"``
+                (:data:`~autoprec.hardware.memory.EXECUTION_MODES`; how each prices casts:
+                :func:`~autoprec.hardware.memory.cast_traffic`; a compiled step keeps
+                ``efficiency.fused_elementwise`` of the element-wise traffic), or None: the
+                eager program with torchao's fp8 casts priced as compiled (the default
+                before the mode was a setting; its predictions are unchanged).
 
         Raises:
-            CostModelError: unknown optimizer or memory format, bad batch size, or a precision
-                the device cannot run.
+            CostModelError: unknown optimizer, memory format or execution mode, bad batch
+                size, or a precision the device cannot run.
             NoTunableLayerError: the table has no layer (the step is priced by its layers).
         """
-        opt, batch = _check_step(table, optimizer, batch_size, memory_format)
+        opt, batch = _check_step(table, optimizer, batch_size, memory_format, execution)
+        fused = self.efficiency.fused_elementwise if execution == "compiled" else 1.0
         transposes = memory_format == "contiguous" and self.device.vendor == "nvidia"
         scale = batch / table.batch_size
         precision_for = _precision_lookup(policy)
@@ -323,16 +334,16 @@ class CostModel:
             if row.other_bytes_forward >= 0:  # measured traffic of the non-matmul ops
                 moved = (row.other_bytes_forward + row.other_bytes_backward) * scale * ratio
                 kernels = row.other_ops_forward + row.other_ops_backward
-                other_s += self._memory_s(moved, kernels)
+                other_s += self._memory_s(moved * fused, kernels * fused)
             else:  # not measured: assume a norm, an activation and an add on the output
                 passes = ELEMENTWISE_PASSES
                 moved = out_bytes * ratio  # activations travel at the layer's output format
-                other_s += self._memory_s(passes * 2 * moved, passes)
-                other_s += self._memory_s(2 * passes * 2 * moved, 2 * passes)
+                other_s += self._memory_s(fused * passes * 2 * moved, fused * passes)
+                other_s += self._memory_s(fused * 2 * passes * 2 * moved, fused * 2 * passes)
             params += row.params
             previous = p
         if flow is not None:  # the runtime's own casts (autoprec.hardware.program)
-            cast_s = self._casts_s(self.program(table, precision_for), scale)
+            cast_s = self._casts_s(self.program(table, precision_for), scale, execution)
         optimizer_s = self._memory_s(OPTIMIZER_BYTES_PER_PARAM[opt] * params, len(table.rows))
         if _unscales(policy, lambda: {row.name: precision_for(row.name) for row in table.rows}):
             optimizer_s += self._memory_s(UNSCALE_BYTES_PER_PARAM * params, 1)
@@ -366,7 +377,7 @@ class CostModel:
         in_bytes, out_bytes = row.input_bytes * scale, row.output_bytes * scale
         moved = TRANSPOSE_PASSES * 2 * (in_bytes + out_bytes) * p.bytes_ratio
         transpose_s = self._memory_s(moved, 4)
-        native = self.layer_cost(row, p, scale, rate=self.rate(Precision.FP32))
+        native = self.layer_cost(row, p, scale, rate=self.rate(Precision.FP32, conv=True))
         if _seconds(native) < _seconds(cost) + transpose_s:
             return native, 0.0
         return cost, transpose_s
@@ -396,19 +407,25 @@ class CostModel:
         lookup = policy if callable(policy) else _precision_lookup(policy)
         return program(flow, {row.name: lookup(row.name) for row in table.rows}, self.device_type)
 
-    def _casts_s(self, prog: Program, scale: float) -> float:
-        """Seconds of the casts of ``prog`` (:func:`~autoprec.hardware.memory.cast_traffic`:
-        torchao's fp8 casts as ``torch.compile`` fuses them)."""
-        return sum(self._memory_s(b, k) for b, k in cast_traffic(prog.casts, scale))
+    def _casts_s(self, prog: Program, scale: float, execution: str | None) -> float:
+        """Seconds of the casts of ``prog`` run as ``execution``
+        (:func:`~autoprec.hardware.memory.cast_traffic`)."""
+        traffic = cast_traffic(prog.casts, scale, execution)
+        return sum(self._memory_s(b, k) for b, k in traffic)
 
 
 def _check_step(
-    table: LayerTable, optimizer: str, batch_size: int | None, memory_format: str
+    table: LayerTable,
+    optimizer: str,
+    batch_size: int | None,
+    memory_format: str,
+    execution: str | None,
 ) -> tuple[str, int]:
     """The optimizer's name in lower case and the batch size of :meth:`CostModel.step`.
 
     Raises:
-        CostModelError: unknown optimizer or memory format, or a bad batch size.
+        CostModelError: unknown optimizer, memory format or execution mode, or a bad batch
+            size.
         NoTunableLayerError: the table has no layer.
     """
     opt = optimizer.lower()
@@ -429,6 +446,11 @@ def _check_step(
         raise CostModelError(
             f"unknown memory format {memory_format!r}; expected one of {', '.join(MEMORY_FORMATS)}"
         )
+    if execution is not None and execution not in EXECUTION_MODES:
+        raise CostModelError(
+            f"unknown execution mode {excerpt(execution)}; expected one of "
+            f"{', '.join(EXECUTION_MODES)} (or none: the default program)"
+        )
     return opt, batch
 
 
@@ -448,9 +470,13 @@ def _seconds(cost: LayerCost) -> float:
     return cost.forward_s + cost.backward_s
 
 
+def _is_conv(row: LayerRow) -> bool:
+    return row.type.startswith("Conv")
+
+
 def _tensor_core_conv(row: LayerRow, precision: Precision) -> bool:
     """A convolution whose matrix work runs on tensor cores: below fp32 and not depthwise."""
-    if precision is Precision.FP32 or not row.type.startswith("Conv") or not row.kernel_size:
+    if precision is Precision.FP32 or not _is_conv(row) or not row.kernel_size:
         return False
     return row.fan_in > math.prod(row.kernel_size)  # more than one input channel per group
 

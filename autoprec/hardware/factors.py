@@ -53,6 +53,25 @@ ROWWISE_GEMM_EFFICIENCY = 0.9
 BLOCK_FP8_GEMM_EFFICIENCY = 0.93
 
 
+#: The fraction of the element-wise and normalisation traffic that a ``torch.compile``'d step
+#: keeps (:attr:`Efficiency.fused_elementwise`). A round figure, not a measurement: Inductor
+#: fuses each chain of element-wise operations (a norm, its scale, an activation, a residual
+#: add) into one kernel that reads the chain's inputs once and writes its outputs once, which
+#: for the chains of a transformer block or a ResNet's batch norm, ReLU and add removes about
+#: half of the reads and writes the operations make one by one. A calibration from measured
+#: compiled steps replaces it (``autoprec hardware calibrate --from``).
+DEFAULT_FUSED_ELEMENTWISE = 0.5
+
+#: The fields of :class:`Efficiency`, as its files name them.
+EFFICIENCY_FIELDS = (
+    "compute",
+    "bandwidth",
+    "kernel_overhead_s",
+    "conv_compute",
+    "fused_elementwise",
+)
+
+
 class CostModelError(ValueError):
     """The cost model cannot estimate this device, precision or setting."""
 
@@ -67,40 +86,68 @@ class Efficiency:
         bandwidth: achieved / peak memory bandwidth (0.8: STREAM-like copies reach ~80-90% of
             HBM peak).
         kernel_overhead_s: fixed launch and dispatch cost per kernel (~5 us for a CUDA launch
-            plus PyTorch dispatch).
+            plus PyTorch dispatch); eager programs pay it per operation, compiled ones per
+            fused kernel.
+        conv_compute: achieved / dense peak of convolutions per precision, where they differ
+            from ``compute``'s matrix multiplications (cuDNN's kernels for a ResNet's many
+            small convolutions reach less of the peak than a large GEMM); a precision left
+            out takes ``compute``'s factor. Empty by default: only a calibration sets it.
+        fused_elementwise: the fraction of the element-wise and normalisation traffic (bytes
+            and kernels) a compiled program keeps (``torch.compile`` fuses chains of
+            element-wise operations into one kernel that reads the chain's inputs and writes
+            its outputs): :data:`DEFAULT_FUSED_ELEMENTWISE` unless calibrated.
     """
 
     compute: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_COMPUTE_EFFICIENCY))
     bandwidth: float = 0.8
     kernel_overhead_s: float = 5e-6
+    conv_compute: Mapping[str, float] = field(default_factory=dict)
+    fused_elementwise: float = DEFAULT_FUSED_ELEMENTWISE
 
     def __post_init__(self) -> None:
         merged = dict(DEFAULT_COMPUTE_EFFICIENCY)
         for key, value in dict(self.compute).items():
             merged[parse_precision(key).value] = _fraction(value, f"efficiency.compute.{key}")
         object.__setattr__(self, "compute", merged)
+        conv = {
+            parse_precision(key).value: _fraction(value, f"efficiency.conv_compute.{key}")
+            for key, value in dict(self.conv_compute).items()
+        }
+        object.__setattr__(self, "conv_compute", conv)
         object.__setattr__(self, "bandwidth", _fraction(self.bandwidth, "efficiency.bandwidth"))
+        fused = _fraction(self.fused_elementwise, "efficiency.fused_elementwise")
+        object.__setattr__(self, "fused_elementwise", fused)
         overhead = self.kernel_overhead_s
         if not _is_number(overhead) or not math.isfinite(overhead) or overhead < 0:
             raise CostModelError(f"efficiency.kernel_overhead_s must be >= 0, got {overhead!r}")
 
     def __hash__(self) -> int:
-        return hash((tuple(sorted(self.compute.items())), self.bandwidth, self.kernel_overhead_s))
+        return hash(tuple(sorted((k, repr(v)) for k, v in self.to_dict().items())))
+
+    def conv(self, precision: str) -> float:
+        """The efficiency of a convolution at ``precision`` (``conv_compute``, else
+        ``compute``'s)."""
+        return self.conv_compute.get(precision, self.compute[precision])
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready fields."""
-        return {
+        """JSON-ready fields; ``conv_compute`` and ``fused_elementwise`` only where they differ
+        from their defaults, so that the canonical form (a cache key) of an efficiency made
+        before they existed is unchanged."""
+        out: dict[str, Any] = {
             "compute": dict(self.compute),
             "bandwidth": self.bandwidth,
             "kernel_overhead_s": self.kernel_overhead_s,
         }
+        if self.conv_compute:
+            out["conv_compute"] = dict(self.conv_compute)
+        if self.fused_elementwise != DEFAULT_FUSED_ELEMENTWISE:
+            out["fused_elementwise"] = self.fused_elementwise
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Efficiency:
         """Inverse of :meth:`to_dict` (missing fields take their defaults)."""
-        return cls(
-            **{k: data[k] for k in ("compute", "bandwidth", "kernel_overhead_s") if k in data}
-        )
+        return cls(**{k: data[k] for k in EFFICIENCY_FIELDS if k in data})
 
 
 def fill_compute(measured: Mapping[str, float], precisions: tuple[str, ...]) -> dict[str, float]:

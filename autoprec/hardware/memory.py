@@ -8,6 +8,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
+# the programs a step runs as (CostModel.step's ``execution``; a policy's target.execution)
+from autoprec.policy.fields import EXECUTION_MODES
 from autoprec.precision import (
     FORMAT_FACTS,
     FP8_BLOCK_TILE,
@@ -22,6 +24,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BLOCK_CAST_BYTES",
+    "EAGER_FP8_CAST_KERNELS",
+    "EXECUTION_MODES",
     "STORAGE_BYTES",
     "activation_ratio",
     "cast_traffic",
@@ -108,35 +112,52 @@ _CAST_BYTES = {**STORAGE_BYTES, "fp64": 8, "e8m0": 1, **BLOCK_CAST_BYTES}
 _NVFP4_FUSED = frozenset({"nvfp4", "nvfp4_sr", "nvfp4_rht", "nvfp4_rht_sr", "nvfp4_16x16"})
 
 
-def cast_traffic(casts: Sequence[Cast], scale: float) -> Iterator[tuple[float, int]]:
+def cast_traffic(
+    casts: Sequence[Cast], scale: float, execution: str | None = None
+) -> Iterator[tuple[float, int]]:
     """``(bytes moved, kernels)`` of a program's casts: each reads its source and writes its
     target (one kernel); a cast to fp8 also reads its source once more for the amax.
     Activations scale with ``scale`` (the batch over the table's), weights do not. A
     block-scaled cast (:data:`BLOCK_CAST_BYTES`) computes its block amaxes in the same kernel
     and writes its scales with its elements; an ``amax`` pass only reads; the two NVFP4 layouts
-    of one tensor that torchao's kernels write together cost one read.
+    of one tensor that torchao's kernels write together cost one read (Triton kernels of their
+    own, the same in every execution mode).
 
-    A torchao fp8 cast (the program's chain: the scale through fp64, an upcast to fp32 of a
-    16-bit source, the saturated cast) counts as ``torch.compile`` fuses it: two kernels that
-    read the source in its own dtype (the amax, then scale-and-cast) and write fp8. torchao's
-    float8 training is meant to run compiled, and every published fp8 training figure in
-    experiments/published_speedups.yaml was measured so; priced eagerly, the chain moves three
-    times the bytes (Llama3-8B's fp8 Linears on an H100 then come out slower than bf16, where
-    torchtitan measures them 1.25x faster).
+    ``execution`` is the program that runs (:data:`EXECUTION_MODES`):
+
+    - ``"compiled"`` (``torch.compile``): a torchao fp8 cast (the program's chain: the scale
+      through fp64, an upcast to fp32 of a 16-bit source, the saturated cast) is two kernels
+      that read the source in its own dtype (the amax, then scale-and-cast) and write fp8; an
+      MX cast of a 16-bit operand likewise; a plain cast of an activation or of its gradient
+      (autocast's, autograd's) is fused into the neighbouring element-wise kernel and moves
+      nothing of its own; a weight's cast (a graph input read once per step) stays.
+    - ``"eager"``: every operation of torchao's fp8 cast is its own kernel, as
+      ``torchao.float8`` runs it without ``torch.compile`` (``tensor_to_amax``: ``abs``, then
+      ``max``; ``amax_to_scale``: five kernels on the scale, through fp64;
+      ``hp_tensor_and_scale_to_float8``: the upcast to fp32, the multiplication by the scale,
+      the saturating ``clamp`` and the cast): :data:`EAGER_FP8_CAST_KERNELS` kernels and about
+      33 bytes per element where the compiled cast moves 5; an MX cast's upcast is a kernel
+      of its own; every plain cast is one kernel.
+    - None, the cost model's default: the eager program with torchao's fp8 and MX casts
+      priced as compiled, as every published fp8 training figure in
+      experiments/published_speedups.yaml was measured (torchao's float8 training is meant
+      to run compiled): the prediction of a step made before the execution mode was a
+      setting.
     """
     i = 0
+    eager = execution == "eager"
     while i < len(casts):
         c = casts[i]
         if c.target == "fp64":  # an fp8 cast's chain, up to and including its fp8 target
             end = next(j for j in range(i, len(casts)) if casts[j].target.startswith("fp8"))
             last = casts[end]
             numel = last.numel if last.weight else last.numel * scale
-            yield numel * (2 * _CAST_BYTES[c.source] + _CAST_BYTES[last.target]), 2
+            yield _fp8_chain(_CAST_BYTES[c.source], _CAST_BYTES[last.target], numel, eager)
             i = end + 1
             continue
         numel = c.numel if c.weight else c.numel * scale
         after = casts[i + 1] if i + 1 < len(casts) else None
-        if _upcast_to_fp8(c, after):  # an MX cast of a 16-bit operand, fused likewise
+        if not eager and _upcast_to_fp8(c, after):  # an MX cast of a 16-bit operand, fused
             yield numel * (2 * _CAST_BYTES[c.source] + _CAST_BYTES[after.target]), 2
             i += 2
             continue
@@ -147,9 +168,31 @@ def cast_traffic(casts: Sequence[Cast], scale: float) -> Iterator[tuple[float, i
         nbytes = numel * (_CAST_BYTES[c.source] + _CAST_BYTES[c.target])
         if c.target.startswith("fp8"):
             yield nbytes + numel * _CAST_BYTES[c.source], 2
+        elif execution == "compiled" and not c.weight and c.target not in BLOCK_CAST_BYTES:
+            yield 0.0, 0  # fused into its neighbour
         else:
             yield nbytes, 1
         i += 1
+
+
+#: Kernels of one torchao fp8 cast of a 16-bit tensor run eagerly: ``abs`` and ``max`` (the
+#: amax), five on the scale (``to(float64)``, ``clamp``, the division as ``reciprocal`` and
+#: ``mul``, ``to(float32)``), then the upcast to fp32, the multiplication by the scale,
+#: ``clamp`` and the cast to fp8 (torchao/float8/float8_utils.py and
+#: float8_training_tensor.py, torchao 0.18, as a dispatch mode records them); an fp32 tensor
+#: skips the upcast.
+EAGER_FP8_CAST_KERNELS = 11
+
+
+def _fp8_chain(source: float, target: float, numel: float, eager: bool) -> tuple[float, int]:
+    """``(bytes, kernels)`` of one torchao fp8 cast of ``numel`` elements of ``source`` bytes
+    each (see :func:`cast_traffic`)."""
+    if not eager:  # the amax read, then one read and the fp8 write
+        return numel * (2 * source + target), 2
+    upcast = source != 4  # a 16-bit source is upcast to fp32 before the scaling
+    amax = 3 * source  # abs: read and write; max: read
+    scaled = (source + 4 if upcast else 0) + 2 * (4 + 4) + 4 + target  # upcast, mul, clamp, cast
+    return numel * (amax + scaled), EAGER_FP8_CAST_KERNELS - (0 if upcast else 1)
 
 
 def _same_tensor(cast: Cast, after: Cast) -> bool:

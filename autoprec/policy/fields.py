@@ -52,6 +52,10 @@ TARGET_MODES = ("auto", "emulate", "native")
 #: The runtime mode that runs native's program under torch.compile (autoprec.runtime.compiled);
 #: a way to train, not a policy file's target mode.
 COMPILED = "compiled"
+#: The programs a training step runs as, which the cost model prices apart (``eager``: one
+#: kernel per operation; ``compiled``: under torch.compile) and a policy's ``target.execution``
+#: names.
+EXECUTION_MODES = ("eager", COMPILED)
 REQUIRED_HINT = "a policy needs at least 'autoprec_policy: 1' and 'default: <precision>'"
 
 Field = tuple[Any, ...]
@@ -208,10 +212,13 @@ class TargetInfo:
         device: a name from the hardware database (e.g. ``"h100-sxm"``), or None for any.
         mode: ``"native"`` (real low-precision kernels), ``"emulate"`` (fake-quantised fp32) or
             ``"auto"`` (native where the device runs the format, emulated otherwise).
+        execution: the program the policy was priced for, ``"eager"`` or ``"compiled"``
+            (:data:`EXECUTION_MODES`), or None: not stated (files written before the field).
     """
 
     device: str | None = None
     mode: str = "auto"
+    execution: str | None = None
 
     def __post_init__(self) -> None:
         if self.device is not None and not isinstance(self.device, str):
@@ -223,6 +230,12 @@ class TargetInfo:
             raise PolicyError(
                 f"target.mode must be one of {', '.join(TARGET_MODES)}; got {kind(self.mode)}",
                 field=("target", "mode"),
+            )
+        if self.execution is not None and self.execution not in EXECUTION_MODES:
+            raise PolicyError(
+                f"target.execution must be one of {', '.join(EXECUTION_MODES)} (or left out); "
+                f"got {kind(self.execution)}",
+                field=("target", "execution"),
             )
 
 
