@@ -26,6 +26,7 @@ The tables come from the caller (``table_for``): the analysis sits above this la
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import statistics
 from collections.abc import Callable, Sequence
@@ -303,7 +304,8 @@ def calibrate_from_steps(
     if not save:
         return report
     info = {
-        "measurements": str(measurements),
+        "measurements": Path(measurements).name,  # no machine's path in a shared file
+        "measurements_sha256": hashlib.sha256(Path(measurements).read_bytes()).hexdigest(),
         "fit_rows": [r.label for r in fit],
         "held_out_rows": [r.label for r in held],
         "held_out_median_abs_error": {
