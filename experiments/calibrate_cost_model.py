@@ -36,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,8 +79,7 @@ class Args:
 def _builds() -> dict[str, tuple[str, dict[str, Any], int, Any]]:
     """The measured models as gpu_validate.py built them: JSON name -> (zoo name, load_model
     arguments, batch, gpu_validate's Bench)."""
-    sys.path.insert(0, str(HERE))
-    import gpu_validate
+    import gpu_validate  # a sibling script, importable as benchlib is
 
     args = gpu_validate.Args()
     benches = {b.name: b for b in gpu_validate.benches(args)}
@@ -135,20 +133,21 @@ def _searched_single_tf32(table: Any, device: Any, batch: int, predicted: float)
     return found[0] if len(found) == 1 else None
 
 
-def extract(args: Args) -> list[MeasuredStep]:
+def extract(args: Args) -> tuple[str, list[MeasuredStep]]:
     """The measured rows of ``args.runs`` with their policies (see the module docstring)."""
     import torch
 
     from autoprec.graph import analyze
 
-    device = get_device("h200")
+    devices = {json.loads(p.read_text())["predicted_for"] for p in args.runs}
+    if len(devices) != 1:
+        raise SystemExit(f"--runs predict for {', '.join(sorted(devices))}: one device at a time")
+    device = get_device(devices.pop())
     import gpu_validate
 
     builds, rows, notes = _builds(), {}, []
     for path in args.runs:
         run = json.loads(path.read_text())
-        if run["predicted_for"] != device.name:
-            raise SystemExit(f"{path}: predicted for {run['predicted_for']}, not h200")
         for model in run["models"]:
             if model["model"] not in builds:
                 continue
@@ -185,7 +184,7 @@ def extract(args: Args) -> list[MeasuredStep]:
                 )
     for line in notes:
         print("left out:", line)
-    return list(rows.values())
+    return device.name, list(rows.values())
 
 
 # ------------------------------------------------------------------------ 2. fit, 3. report
@@ -216,7 +215,7 @@ class Result:
     held: list[MeasuredStep]
     start: Any
     fitted: Any
-    predicted: dict[str, dict[str, float]]  # column -> row label -> seconds
+    predicted: dict[str, dict[tuple[str, str], float]]  # column -> _key(row) -> seconds
 
 
 def run(args: Args) -> Result:
@@ -226,12 +225,12 @@ def run(args: Args) -> Result:
     tables = {row.table_key: table_for(row) for row in rows}
     fit = calibrate_from_steps(args.steps, lambda r: tables[r.table_key], output=args.calibration)
     device = get_device(fit.device)
-    predicted: dict[str, dict[str, float]] = {}
+    predicted: dict[str, dict[tuple[str, str], float]] = {}
     for column, efficiency in zip(COLUMNS, (fit.start, fit.start, fit.fitted), strict=True):
         model = CostModel(device, efficiency)
         if column == "as it was":  # the default program, no execution mode
             predicted[column] = {
-                r.label: model.step(
+                _key(r): model.step(
                     tables[r.table_key],
                     r.policy,
                     optimizer=r.optimizer,
@@ -241,14 +240,18 @@ def run(args: Args) -> Result:
                 for r in rows
             }
         else:
-            predicted[column] = {r.label: predict(model, r, tables[r.table_key]) for r in rows}
+            predicted[column] = {_key(r): predict(model, r, tables[r.table_key]) for r in rows}
     return Result(
         device, rows, list(fit.fit_rows), list(fit.held_out), fit.start, fit.fitted, predicted
     )
 
 
+def _key(row: MeasuredStep) -> tuple[str, str]:
+    return row.label, row.execution
+
+
 def errors(result: Result, rows: list[MeasuredStep], column: str) -> list[float]:
-    preds = [result.predicted[column][r.label] for r in rows]
+    preds = [result.predicted[column][_key(r)] for r in rows]
     return relative_errors(preds, [r.measured_s for r in rows])
 
 
@@ -257,7 +260,7 @@ def median_error(result: Result, rows: list[MeasuredStep], column: str) -> float
 
 
 def rho(result: Result, rows: list[MeasuredStep], column: str) -> float | None:
-    preds = [result.predicted[column][r.label] for r in rows]
+    preds = [result.predicted[column][_key(r)] for r in rows]
     return rank_correlation(preds, [r.measured_s for r in rows])
 
 
@@ -304,7 +307,7 @@ def report(args: Args, result: Result) -> str:
     for r in sorted(held, key=lambda r: r.label):
         cells = [r.label, r.execution, _ms(r.measured_s)]
         for column in COLUMNS:
-            pred = result.predicted[column][r.label]
+            pred = result.predicted[column][_key(r)]
             cells += [_ms(pred), f"{pred / r.measured_s - 1:+.0%}"]
         table_rows.append(cells)
     header = ["held-out row", "mode", "measured ms"]
@@ -369,7 +372,8 @@ def report(args: Args, result: Result) -> str:
             "",
             verdict,
             "",
-            "Fitted factors (h200; a factor no fit row depends on keeps its value):",
+            f"Fitted factors ({result.device.name}; a factor no fit row depends on keeps its "
+            "value):",
             "",
             _factors(result.start, result.fitted),
             "",
@@ -380,11 +384,11 @@ def report(args: Args, result: Result) -> str:
 def main(argv: list[str] | None = None) -> Result | None:
     args = parse_args(Args, __doc__.splitlines()[0], argv)
     if args.extract:
-        rows = extract(args)
+        device, rows = extract(args)
         note = "written by experiments/calibrate_cost_model.py --extract from " + ", ".join(
             p.name for p in args.runs
         )
-        write_measurements(args.steps, "h200", rows, note)
+        write_measurements(args.steps, device, rows, note)
         print(f"wrote {len(rows)} rows to {args.steps}")
         return None
     result = run(args)

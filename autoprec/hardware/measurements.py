@@ -129,6 +129,12 @@ def read_measurements(path: str | Path) -> tuple[str, list[MeasuredStep]]:
         raise CalibrationError(
             f"cannot read measurement file {str(path)!r}: {excerpt(str(err), 120, quote=False)}"
         ) from None
+    if isinstance(doc, dict) and "models" in doc and "predicted_for" in doc:
+        raise CalibrationError(
+            f"{str(path)!r} is a gpu_validate.py result, which names its policies but does not "
+            "list them; `python experiments/calibrate_cost_model.py --extract --runs FILE "
+            "--steps OUT` turns it into a measurement file"
+        )
     if not isinstance(doc, dict) or doc.get("autoprec_measurements") != MEASUREMENTS_VERSION:
         raise CalibrationError(
             f"{str(path)!r} is not a measurement file: expected a JSON object with "

@@ -141,6 +141,9 @@ def test_measurement_file_round_trip_and_defects(tmp_path, llama8b):
     path.write_text("{}")
     with pytest.raises(CalibrationError, match="is not a measurement file"):
         read_measurements(path)
+    path.write_text(json.dumps({"device": "NVIDIA H200", "predicted_for": H200, "models": []}))
+    with pytest.raises(CalibrationError, match="is a gpu_validate.py result.* --extract"):
+        read_measurements(path)
 
 
 def test_fitted_calibration_round_trip_is_used_by_the_cost_model(tmp_path, monkeypatch, llama8b):
