@@ -63,8 +63,8 @@ __all__ = [
 PRIOR_WEIGHT = 1e-3
 #: Bounds of the fitted factors. An efficiency stays at or below 0.9 of the dense peak (no
 #: GEMM or convolution sustains more; large cuBLAS GEMMs reach about 0.7-0.8): without the
-#: bound, a fit that must make up for work the model does not price (attention's matrix
-#: products, ``LayerTable.uncovered``) can push a format's factor to the peak itself.
+#: bound, a fit that trades the GEMMs' time against the memory-bound rest (a few policies of
+#: one shape tell them apart only loosely) can push a format's factor to the peak itself.
 _BOUNDS = {"efficiency": (0.01, 0.9), "kernel_overhead_s": (2e-7, 1e-4), "fraction": (0.05, 1.0)}
 
 
