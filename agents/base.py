@@ -111,6 +111,7 @@ class Problem:
             from autoprec.layers import NoTunableLayerError
 
             raise NoTunableLayerError.of(self.table.model)
+        self.evaluator.grade(self.supported())  # the surrogate knows every format offered
 
     @property
     def table(self) -> Any:

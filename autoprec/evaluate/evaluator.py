@@ -53,7 +53,7 @@ from autoprec.hardware import DeviceSpec, detect, get_device
 from autoprec.hardware.defaults import amp_policy
 from autoprec.layers import model_fingerprint
 from autoprec.policy import PrecisionPolicy, resolve_mode
-from autoprec.precision import Precision
+from autoprec.precision import Precision, parse_precision
 
 SURROGATE_REFERENCE = "short"  # the real fidelity whose fp32 run anchors surrogate predictions
 SURROGATE_BATCHES = 2  # fixed batches of the sensitivity table (one concatenated pass)
@@ -156,6 +156,7 @@ class Evaluator:
         self._cache = EvaluationCache(self.cache_dir / "evaluations.sqlite", identity, spec.module)
         self._amp_runs: dict[str, FineTuneRun] = {}
         self._surrogate: Surrogate | None = None
+        self.surrogate_formats: tuple[str, ...] | None = None  # its table's; None: the default
         self._pool: Any = None  # an EvaluationPool while start_workers' workers run
         self.surrogate_pairs: dict[str, tuple[dict[str, Precision], float]] = {}
         self.runs = 0
@@ -293,11 +294,12 @@ class Evaluator:
         the table is computed (see there).
         """
         if self._surrogate is None:
-            from autoprec.sensitivities.grade import sensitivity
+            from autoprec.sensitivities.grade import DEFAULT_FORMATS, sensitivity
 
             table = sensitivity(
                 self.spec,
                 self.data,
+                self.surrogate_formats or DEFAULT_FORMATS,
                 batches=SURROGATE_BATCHES,
                 batch_size=SURROGATE_BATCH_SIZE,
                 method="auto",
@@ -313,6 +315,24 @@ class Evaluator:
             if self.surrogate_pairs:
                 self._surrogate.fit(self.surrogate_pairs.values())
         return self._surrogate
+
+    def grade(self, precisions: Iterable[str]) -> None:
+        """Have the surrogate's sensitivity table grade ``precisions`` (those a search chooses
+        from), against fp32, instead of
+        :data:`~autoprec.sensitivities.grade.DEFAULT_FORMATS`: an fp8 recipe as tensorwise fp8
+        (the table reads an ungraded recipe as fp8's column), every other format as itself.
+        Without its column a format's loss would be priced at 0 (the block formats are not
+        among the defaults). Only before the surrogate is built (it is built once).
+
+        Example:
+            >>> evaluator.grade(["bf16", "fp8_rowwise", "nvfp4"])  # doctest: +SKIP
+            >>> evaluator.surrogate_formats  # doctest: +SKIP
+            ('fp32', 'bf16', 'fp8', 'nvfp4')
+        """
+        if self._surrogate is not None:
+            return
+        graded = ["fp8" if p.is_fp8 else p.value for p in map(parse_precision, precisions)]
+        self.surrogate_formats = tuple(dict.fromkeys(["fp32", *graded]))
 
     def cost_table(self) -> Any:
         """The layer table of :attr:`cost_spec` at :attr:`cost_batch_size` (cached)."""

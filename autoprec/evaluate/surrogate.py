@@ -165,10 +165,14 @@ class Surrogate:
 
     def _terms(self, precisions: Mapping[str, Any]) -> Iterator[tuple[str, int, int]]:
         """``(layer, shared-term index, own-term index)`` of each lowered layer the table
-        knows, at a precision it graded."""
+        knows, at a precision it graded (an fp8 recipe it did not grade counts as tensorwise
+        fp8, as :meth:`SensitivityTable.entry` reads it)."""
         n_prec = len(self.precisions)
         for layer, value in precisions.items():
             i = self._layer_index.get(layer)
-            j = self._precision_index.get(parse_precision(value))
+            p = parse_precision(value)
+            j = self._precision_index.get(p)
+            if j is None and p.is_fp8:  # a recipe the table did not grade: tensorwise's terms
+                j = self._precision_index.get(Precision.FP8)
             if i is not None and j is not None:
                 yield layer, j, n_prec + i * n_prec + j

@@ -152,7 +152,8 @@ class SensitivityTable:
         )
 
     def entry(self, layer: str, precision: Precision | str) -> Sensitivity | None:
-        """One layer at one precision, or None when the table did not grade that pair.
+        """One layer at one precision, or None when the table did not grade that pair (nor
+        could: the runtime does not run that layer at that precision).
 
         An fp8 recipe the table did not grade reads as tensorwise fp8's entry: the same e4m3
         operands with one scale per tensor, which per-row scales (and a high-precision weight
@@ -164,7 +165,8 @@ class SensitivityTable:
             j = self._columns().get("fp8")
         if i is None or j is None:
             return None
-        return Sensitivity(self.loss_delta[i][j], self.grad_cosine[i][j])
+        entry = Sensitivity(self.loss_delta[i][j], self.grad_cosine[i][j])
+        return None if all(map(math.isnan, entry)) else entry  # (nan, nan): not runnable
 
     def _rows(self) -> dict[str, int]:
         return _indexes(self, "layers")

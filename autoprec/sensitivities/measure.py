@@ -109,6 +109,10 @@ def _round_blocks(t: torch.Tensor, precision: Precision) -> torch.Tensor:
     return fp8_block_quantize_lhs(padded).dequantize(t.dtype)[:, :last].reshape(t.shape)
 
 
+#: The entry of a (layer, precision) pair the runtime cannot run: not graded.
+NOT_GRADED = (math.nan, math.nan)
+
+
 def row(name: str, index: int, precisions: Sequence[Precision], grade: Grade) -> Row:
     """One layer's entries at every precision; fp32 is the reference (no change, cosine 1)."""
     pairs = [(0.0, 1.0) if p is Precision.FP32 else grade(index, name, p) for p in precisions]
@@ -142,9 +146,17 @@ class Measurer:
         return (loss - ref) / abs(ref) if math.isfinite(loss) else math.inf
 
     def sweep(self, index: int, name: str, precision: Precision) -> tuple[float, float]:
-        """Only ``name`` at ``precision``, measured: one emulated forward and backward pass."""
-        with apply_policy(self.model, {name: precision}, mode="emulate", guard=self._guard):
-            loss, grad = loss_and_grad(self.model, self.spec, self.x, self.y)
+        """Only ``name`` at ``precision``, measured: one emulated forward and backward pass.
+
+        A pair the runtime cannot run (a block format on a convolution, a width that is not a
+        multiple of the format's block: the runtime refuses it in one line) is not graded:
+        ``(nan, nan)``, which the table reads as no entry (a diverged pass is ``inf``)."""
+        try:
+            with apply_policy(self.model, {name: precision}, mode="emulate", guard=self._guard):
+                loss, grad = loss_and_grad(self.model, self.spec, self.x, self.y)
+        except ValueError:  # NotRunnableError, or a kernel's shape rule
+            self.model.zero_grad(set_to_none=True)
+            return NOT_GRADED
         return self.change(loss), cosine(grad, self.reference_grad)
 
     def taylor(self) -> Grade:
