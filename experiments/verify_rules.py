@@ -9,8 +9,9 @@ and the verified file (``--out``); runs found in the verification store are read
 trained again. Each arm is priced with the cost model the search used (``--target`` at
 ``--train-shape``). The table: each arm's final loss over the seeds, its
 delta to fp32, its speedup and memory under the cost model and its reward at
-``--w-accuracy``; the verdict says, per rule, whether the export dominates it (at least as
-fast and a verified final loss no worse, one strictly) or beats it by the reward only.
+``--w-accuracy`` (by default the search's: its export records the weight); the verdict says,
+per rule, whether the export dominates it (at least as fast and a verified final loss no worse,
+one strictly) or beats it by the reward only.
 
     python experiments/verify_rules.py --policy runs/lm/best_policy.yaml \\
         --rules-dir runs/lm/pareto/rules --target b200 --train-shape llama3-8b \\
@@ -51,8 +52,12 @@ class Args:
     mode: str = "emulate"
     target: str = "b200"
     train_shape: str | None = None
-    w_accuracy: float = field(
-        default=DEFAULT_WEIGHTS["accuracy"], metadata={"help": "the reward's accuracy weight"}
+    w_accuracy: float | None = field(
+        default=None,
+        metadata={
+            "help": "the reward's accuracy weight (default: the search's, as its export "
+            "records it, else the default)"
+        },
     )
     out: Path = field(default=Path("verified.yaml"), metadata={"help": "the verified export"})
     plot: Path | None = field(
@@ -147,6 +152,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.plot is not None:
         title = f"{args.model} on {result.dataset}: {args.policy.name} against the hand rules"
         save_png(docs_output(args.plot), curves_figure(result, title))
+    if args.w_accuracy is None:
+        args.w_accuracy = float(policy.provenance.get("w_accuracy", DEFAULT_WEIGHTS["accuracy"]))
     reward = RewardConfig({"accuracy": args.w_accuracy})
     price, cost_batch = pricer(args)
     rows = {arm_name(k): v for k, v in rows_of(result, price, reward).items()}

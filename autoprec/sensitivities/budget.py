@@ -242,9 +242,7 @@ def priority(names: Sequence[str], params: Sequence[int]) -> list[int]:
     groups: dict[str, list[int]] = {}
     for i, name in enumerate(names):
         groups.setdefault(role(name), []).append(i)
-    ranked = sorted(
-        groups.values(), key=lambda g: (len(g) > 1, -sum(params[i] for i in g), g[0])
-    )
+    ranked = sorted(groups.values(), key=lambda g: (len(g) > 1, -sum(params[i] for i in g), g[0]))
     queues = [_spread(g) for g in ranked]
     order: list[int] = []
     while len(order) < len(names):
