@@ -64,3 +64,31 @@ def test_a_problem_has_its_evaluator_grade_the_formats_it_offers(spec, data):
     assert surrogate.predict({"fc1": "nvfp4"}) != 0.0
     Problem(ev, precisions=("bf16", "mxfp8"))  # built once: a later problem changes nothing
     assert ev.surrogate_formats == ("fp32", "bf16", "fp8", "nvfp4")
+
+
+def _column(changes: list[float], measured: list[bool]) -> SensitivityTable:
+    layers = tuple(f"l{i}" for i in range(len(changes)))
+    loss = tuple((0.0, c) for c in changes)
+    cosine = tuple((1.0, 1.0 - abs(c)) for c in changes)
+    return SensitivityTable(
+        "focused", "toy", "fp", "data", layers, ("fp32", "nvfp4"), loss, cosine, 1.0, 0.0, {},
+        measured=tuple(measured),
+    )  # fmt: skip
+
+
+def test_a_measured_layer_that_stands_out_of_its_column_starts_with_its_own_term():
+    blocks = [0.0003, 0.0002, 0.0004, 0.0003, 0.0002, 0.0003, 0.0004, 0.0003] * 4
+    changes = [*blocks, 0.005]  # 32 blocks' layers and a head, as llama-small's table has it
+    n = len(changes)
+    s = Surrogate(_column(changes, [True] * n))
+    everything = {f"l{i}": "nvfp4" for i in range(n)}
+    assert s.predict(everything) == pytest.approx(sum(changes))  # the uniform: unchanged
+    # the head at nvfp4 costs about its own measured change, not 1/33 of the sum
+    head = s.predict({f"l{n - 1}": "nvfp4"})
+    assert head == pytest.approx(0.005, rel=0.1) and head > 5 * s.predict({"l0": "nvfp4"})
+    # an interpolated row is not trusted layer by layer: the sum is spread evenly again
+    spread = Surrogate(_column(changes, [True] * (n - 1) + [False]))
+    assert spread.predict({f"l{n - 1}": "nvfp4"}) == pytest.approx(sum(changes) / n)
+    # no layer stands out: no own term (the resnet18 finding: deviations are noise there)
+    even = Surrogate(_column(blocks, [True] * len(blocks)))
+    assert even.predict({"l2": "nvfp4"}) == pytest.approx(sum(blocks) / len(blocks))
