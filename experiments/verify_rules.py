@@ -129,6 +129,23 @@ def rows_of(result: Any, price: Any, reward: RewardConfig) -> dict[str, dict[str
     return rows
 
 
+def searched(policy: Any) -> str:
+    """What the export's provenance says of the search that wrote it (one sentence), or ""."""
+    pv = policy.provenance
+    if "agent" not in pv:
+        return ""
+    parts = [f"`{pv['agent']}` with {pv.get('budget', '?')} real evaluations"]
+    if "fidelity" in pv:
+        parts.append(f"fidelity `{pv['fidelity']}`")
+    if "dataset" in pv:
+        size = f", {pv['max_samples']} examples" if "max_samples" in pv else ""
+        parts.append(f"fine-tuned on {pv['dataset']}{size}")
+    if "w_accuracy" in pv:
+        length = f" (`--train-tokens {pv['train_tokens']:g}`)" if "train_tokens" in pv else ""
+        parts.append(f"accuracy weight {pv['w_accuracy']:.1f}{length}")
+    return "The export's search (its provenance): " + ", ".join(parts) + ". "
+
+
 def arm_name(arm: str) -> str:
     """``rule <name>`` for a rule file, else the arm's own name."""
     return f"rule {Path(arm).stem}" if arm.endswith((".yaml", ".yml")) else arm
@@ -169,10 +186,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ]  # fmt: skip
     recipe = config.recipe
     body = "\n".join([
-        f"## The export against fp32 and the hand rules, by `autoprec verify` ({args.model})",
+        f"## The export against fp32 and the hand rules, by `autoprec verify` ({args.model}, "
+        f"accuracy weight {args.w_accuracy:.1f})",
         "",
         provenance(invocation(__file__)),
-        f"`autoprec verify {args.policy.name}` with arms fp32 and the {len(rules)} hand rules' "
+        searched(policy)
+        + f"`autoprec verify {args.policy.name}` with arms fp32 and the {len(rules)} hand rules' "
         f"policy files ({args.rules_dir}): {args.seeds} seeds, {args.steps} steps at batch "
         f"{recipe.batch_size} ({recipe.optimizer}, lr {recipe.lr:g}), each arm from the same "
         f"weights and batches per seed, on {result.dataset}, {args.mode}d"
@@ -181,7 +200,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"seeds); delta: relative to fp32's. Speedup and memory: the cost model on "
         f"{args.target} at {args.train_shape or 'the training shape'}, batch {cost_batch} (the "
         "search's costing batch), against fp32. Reward: "
-        f"the search's at accuracy weight {args.w_accuracy:g}, with the verified delta. "
+        f"the search's at accuracy weight {args.w_accuracy:.4g}, with the verified delta. "
         "Dominated: the export is at least as fast and its verified loss no worse, one "
         "strictly.",
         "",

@@ -605,3 +605,15 @@ def test_verify_rules_quick(tmp_path):
     verified = yaml.safe_load((tmp_path / "verified.yaml").read_text())["verification"]
     assert list(verified["arms"]) == ["policy", "fp32", "rules/fp16-everywhere.yaml"]
     assert len(stored) == 6  # 3 arms x 2 seeds
+    # an export of `autoprec search --train-tokens`: its recorded weight scores the arms
+    (tmp_path / "export.yaml").write_text(
+        "autoprec_policy: 1\ndefault: bf16\nprovenance: {agent: ppo, budget: 12, "
+        "w_accuracy: 40.7111, train_tokens: 1.0e+12}\n"
+    )
+    section = _section(_run("verify_rules.py", tmp_path, *args), "verify_rules")
+    assert "accuracy weight 40.7 (`--train-tokens 1e+12`)" in section
+    assert "by `autoprec verify` (tinycnn, accuracy weight 40.7)" in section  # the heading
+    for r in _tables(section)[0]:
+        speedup, memory, delta = (float(r[k]) for k in ("speedup", "memory", "delta"))
+        expected = math.log(speedup) - 0.5 * math.log(memory) - 40.7111 * max(0.0, delta)
+        assert float(r["reward"]) == pytest.approx(expected, abs=4e-3)  # delta shown to 1e-4
