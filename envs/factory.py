@@ -79,7 +79,6 @@ def make_env(
         from autoprec.layers import NoTunableLayerError
 
         raise NoTunableLayerError.of(table.model)
-    sensitivity = evaluator.surrogate().table
     supported = [p for p in actions if device.supports(p)]
     if not supported:
         raise ValueError(
@@ -87,6 +86,8 @@ def make_env(
             f"{device.name} (it supports {', '.join(device.supported_precisions)}); "
             "add one of those to precisions"
         )
+    evaluator.grade(p.value for p in supported)  # as a Problem of these precisions does
+    sensitivity = evaluator.surrogate().table
     # one table for every agent's masks (agents.base.layer_choices reads the same)
     choices = runnable_precisions(table, device, supported, evaluator.target_mode)
     return PrecisionEnv(

@@ -291,3 +291,12 @@ def test_choices_that_leave_a_layer_nothing_raise():
             precisions=("fp32",),
             choices={name: ("bf16",) for name in LAYERS},
         )
+
+
+def test_the_environment_s_surrogate_grades_the_precisions_it_offers():
+    """A standalone environment (and each of PPO's worker environments) prices a block format's
+    loss from its own column, as the search's Problem does; not at 0 for want of one."""
+    env = make_env(WORKLOAD, CONFIG, target="b200", precisions=("fp32", "bf16", "nvfp4"))
+    table = env.unwrapped.sensitivity
+    assert table.precisions == ("fp32", "bf16", "nvfp4")
+    assert table.entry("fc1", "nvfp4") is not None  # fc2's 10 outputs cannot run nvfp4
