@@ -301,6 +301,8 @@ def migrate(
     if not layers:
         raise NoTunableLayerError.of(evaluator.spec.name)
     run = _Migration(evaluator, low, float(tolerance), fid, layers, on_step)
+    if low.is_block and hasattr(evaluator, "grade"):  # no default column stands in for it
+        evaluator.grade([low.value])
     # only the layers the target runs at `low` (no fp8 convolution natively): the others
     # stay fp32 and are not tried
     unrunnable = getattr(evaluator, "unrunnable", lambda precisions: {})

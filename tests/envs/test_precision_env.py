@@ -238,6 +238,8 @@ def test_make_by_name_equals_the_constructor_on_the_evaluators_pieces():
         spec, data, "h100-sxm", config=EvaluatorConfig(steps=5, warm_start_steps=20, seed=0)
     )
     table = evaluator.cost_table()
+    # the sensitivities of the precisions offered, as make_env (and a Problem) has them graded
+    evaluator.grade(p for p in DEFAULT_PRECISIONS if evaluator.device.supports(p))
     direct = PrecisionEnv(
         evaluator.evaluate,
         table,
