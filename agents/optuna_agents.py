@@ -169,9 +169,9 @@ class _OptunaAgent(Agent):
                     return
                 if self.sampler is None:  # a proposal depends on the history only
                     study.sampler = self.make_sampler(session, self._seed(study, session))
-                trial = self._ask(study, distributions)
                 evaluating = False
-                try:
+                trial = self._ask(study, distributions)
+                try:  # straight after the ask: an interrupt from here on fails the trial
                     states = (TrialState.COMPLETE, TrialState.RUNNING, TrialState.WAITING)
                     if count(study, states, below=trial.number) >= session.budget:
                         trial.set_user_attr("autoprec_skipped", "budget reached by other workers")
@@ -205,10 +205,20 @@ class _OptunaAgent(Agent):
 
     # --- helpers ------------------------------------------------------------------------------
     def _ask(self, study: optuna.Study, distributions: dict[str, BaseDistribution]) -> optuna.Trial:
+        """A new RUNNING trial carrying this worker's identity. An interrupt that lands before
+        the identity is written fails the trial here: a RUNNING trial of no known worker would
+        never be failed as a dead worker's, and a resumed search would count it against the
+        budget for ever."""
+        from optuna.trial import TrialState
+
         with ask_lock(self.storage), warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "heartbeat ... optimize"
             trial = study.ask(distributions)
-            trial.set_user_attr(WORKER_ATTR, WORKER)
+            try:
+                trial.set_user_attr(WORKER_ATTR, WORKER)
+            except BaseException:
+                study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
+                raise
         return trial
 
     def _drop_waiting(self, study: optuna.Study, session: Session) -> None:
