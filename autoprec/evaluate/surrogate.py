@@ -75,12 +75,6 @@ def _prior_change(entry: Sensitivity | None) -> float:
     return entry.loss_delta if math.isfinite(entry.loss_delta) else NONFINITE_LOSS_DELTA
 
 
-def _swept(table: SensitivityTable, layer: str) -> bool:
-    """Whether ``layer``'s row was measured rather than interpolated or estimated."""
-    is_measured = getattr(table, "is_measured", None)
-    return bool(is_measured(layer)) if is_measured is not None else True
-
-
 def _fragile(s: np.ndarray, tau: np.ndarray, swept: list[bool]) -> np.ndarray:
     """Per-layer prior means (layers x precisions): the excess of a swept layer's one-layer
     change over its column's mean where it exceeds :data:`FRAGILE_RATIO` times ``tau``, else 0."""
@@ -130,7 +124,7 @@ class Surrogate:
         ).reshape(n_layers, n_prec)
         rms = np.sqrt(np.mean(s**2, axis=0)) if n_layers else np.zeros(n_prec)
         tau = np.maximum(rms, TAU_FLOOR)
-        own = _fragile(s, tau, [_swept(table, layer) for layer in self.layers])
+        own = _fragile(s, tau, [table.is_measured(layer) for layer in self.layers])
         self.prior = np.concatenate([s.sum(axis=0) - own.sum(axis=0), own.ravel()])
         largest = float(tau.max()) if n_prec else 1.0
         self._prior_sd = np.concatenate(

@@ -7,35 +7,17 @@ from __future__ import annotations
 import contextlib
 
 import pytest
+from search_helpers import Lines
 
 import autoprec
 from autoprec.cli import main
-from autoprec.pipeline import SearchCallbacks, SearchConfig, SearchReport, SearchSetupError
+from autoprec.pipeline import SearchConfig, SearchReport, SearchSetupError
 from autoprec.pipeline.config import DEFAULTS
 from autoprec.policy.io import load_policy
 from autoprec.training.recipe import TrainingRecipe
 
 #: Provenance that differs between two runs of the same search (the time it was written).
 VARYING = {"created"}
-
-
-@pytest.fixture(autouse=True)
-def _private(tmp_path, monkeypatch):
-    monkeypatch.setenv("AUTOPREC_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.chdir(tmp_path)
-
-
-class _Lines(SearchCallbacks):
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-        self.phases: list[str] = []
-
-    def line(self, text: str) -> None:
-        self.lines.append(text)
-
-    def phase_done(self, name: str, seconds: float) -> None:
-        self.phases.append(name)
 
 
 def _comparable(path) -> dict:
@@ -45,7 +27,7 @@ def _comparable(path) -> dict:
 
 
 def test_the_library_search_writes_the_same_export_as_the_command(tmp_path, monkeypatch):
-    told = _Lines()
+    told = Lines()
     report = autoprec.search(
         autoprec.SearchConfig(model="mlp", agent="random", budget=1, mlflow=False, out="p.yaml"),
         told,
@@ -145,14 +127,14 @@ def test_the_search_trains_with_the_configs_recipe(monkeypatch):
 
     monkeypatch.setattr(run, "build_evaluator", capture)
     recipe = TrainingRecipe(optimizer="adamw", lr=3e-4)
-    told = _Lines()
+    told = Lines()
     report = run.run_search(SearchConfig(model="mlp", mlflow=False, recipe=recipe), told)
     assert seen["recipe"] == recipe
     assert report.interrupted and report.policy_path is None and report.result is None
     assert "no evaluation finished; nothing to export" in told.lines
 
 
-class _StopAtFirstTrial(_Lines):
+class _StopAtFirstTrial(Lines):
     """Ctrl-C as the first evaluation finishes."""
 
     @contextlib.contextmanager

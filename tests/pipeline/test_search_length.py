@@ -5,6 +5,7 @@ checked in one line, applied, said, and recorded in the export (issue 36)."""
 from __future__ import annotations
 
 import pytest
+from search_helpers import Lines
 
 from autoprec.cli import main
 from autoprec.evaluate.reward import DEFAULT_WEIGHTS, chinchilla_accuracy_weight
@@ -15,23 +16,8 @@ from autoprec.evaluate.workload import (
     workload_data,
 )
 from autoprec.models import load_model
-from autoprec.pipeline import SearchCallbacks, SearchConfig, SearchSetupError, run_search
+from autoprec.pipeline import SearchConfig, SearchSetupError, run_search
 from autoprec.policy.io import load_policy
-
-
-@pytest.fixture(autouse=True)
-def _private(tmp_path, monkeypatch):
-    monkeypatch.setenv("AUTOPREC_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.chdir(tmp_path)
-
-
-class _Lines(SearchCallbacks):
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def line(self, text: str) -> None:
-        self.lines.append(text)
 
 
 @pytest.mark.parametrize(
@@ -72,7 +58,7 @@ def test_production_parameters_count_the_named_model_at_its_own_depth():
 
 
 def test_the_search_prices_loss_by_the_run_length_and_records_it(tmp_path):
-    told = _Lines()
+    told = Lines()
     config = SearchConfig(
         model="mlp", agent="random", budget=1, mlflow=False, out="p.yaml",
         train_tokens=1e9, max_samples=64,
