@@ -14,7 +14,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from torch import nn
 
     from autoprec.evaluate import Metrics
-    from autoprec.policy import PrecisionPolicy
+    from autoprec.policy import PrecisionPolicy, TargetInfo
 
 SURROGATE = "surrogate"
 EMULATE_NOTE = (
@@ -117,6 +117,11 @@ class SearchResult:
         target_mode: ``"native"`` (the exported policy is for native training on the target)
             or ``"emulate"`` (a study of formats; the file says it is not for native training).
         info: what the agent reports (study name, checkpoint path, ...).
+        chosen: the number of the trial chosen after the search (the best of the finalists
+            timed as whole steps on the target: :mod:`autoprec.pipeline.evaluations`); None:
+            the real trial with the highest reward.
+        execution: the program the policies were priced for (``"eager"`` or
+            ``"compiled"``; the exported ``target.execution``), None: not stated.
     """
 
     agent: str
@@ -127,6 +132,8 @@ class SearchResult:
     target: str | None = None
     target_mode: str = "native"
     info: dict[str, Any] = field(default_factory=dict)
+    chosen: int | None = None
+    execution: str | None = None
 
     @property
     def real_trials(self) -> list[Trial]:
@@ -135,7 +142,10 @@ class SearchResult:
 
     @property
     def best(self) -> Trial | None:
-        """The real trial with the highest reward (the earliest of equals); None if none."""
+        """The :attr:`chosen` trial, else the real trial with the highest reward (the earliest
+        of equals); None if none."""
+        if self.chosen is not None:
+            return self.trials[self.chosen]
         best = None
         for trial in self.real_trials:
             if best is None or trial.reward > best.reward:
@@ -176,12 +186,10 @@ class SearchResult:
 
     def policy_of(self, trial: Trial, spec_module: nn.Module) -> PrecisionPolicy:
         """Any trial's policy as :meth:`best_policy` builds it (e.g. each Pareto point)."""
-        from autoprec.policy import TargetInfo
-
         return export_policy(
             layer_policy(trial.policy),
             spec_module,
-            target=TargetInfo(device=self.target, mode=self.target_mode) if self.target else None,
+            target=self.target_info(),
             metrics={**policy_metrics(trial.metrics), "reward": trial.reward},
             provenance={
                 "agent": self.agent,
@@ -190,6 +198,14 @@ class SearchResult:
             },
             note=EMULATE_NOTE if self.target_mode == "emulate" else None,
         )
+
+    def target_info(self) -> TargetInfo | None:
+        """The exported files' ``target`` section (None without a target)."""
+        from autoprec.policy import TargetInfo
+
+        if not self.target:
+            return None
+        return TargetInfo(device=self.target, mode=self.target_mode, execution=self.execution)
 
     def summary_rows(self, real_only: bool = True) -> list[dict[str, Any]]:
         """One flat dict per trial (for a table or a CSV): :meth:`Trial.row` with ``pareto``

@@ -22,7 +22,9 @@ from __future__ import annotations
 import contextlib
 import csv
 import errno
+import hashlib
 import io
+import json
 import os
 import secrets
 import sqlite3
@@ -98,6 +100,13 @@ def cache_dir() -> Path:
             "(or move the file away)"
         )
     return path
+
+
+def digest(obj: Any) -> str:
+    """SHA-256 (hex, 32 characters) of ``obj``'s canonical JSON (sorted keys, ``str`` for the
+    rest): the form every cache key is made of."""
+    text = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 def reason(exc: BaseException) -> str:

@@ -14,6 +14,10 @@ DEFAULT_DATASET = "teacher"
 # random recurrent teacher. Other token models keep `tokens`.
 LANGUAGE_MODEL_DATASET = "teacher-text"
 
+# Where a search's speed and memory come from (SearchConfig.pricing, EvaluatorConfig.pricing):
+# "auto" times them on this machine's device when it is the target, else the cost model prices.
+PRICINGS = ("auto", "model", "measured")
+
 # The rounding kernels' compile settings (autoprec.kernels.dispatch reads them at each call):
 # AUTOPREC_COMPILE "0" runs the eager kernels only, "1" compiles at the first call, unset or
 # empty compiles where it pays; AUTOPREC_COMPILE_PAYBACK and AUTOPREC_COMPILE_BUDGET are seconds.

@@ -53,11 +53,10 @@ from scipy.stats import spearmanr
 
 from autoprec.agents import Problem
 from autoprec.cache import cache_dir as default_cache_dir
-from autoprec.cache import read_entry, write_entry
+from autoprec.cache import digest, read_entry, write_entry
 from autoprec.data import load_dataset_for
 from autoprec.defaults import DEFAULT_DATASET
 from autoprec.evaluate import Evaluator, EvaluatorConfig
-from autoprec.evaluate.config import digest
 from autoprec.evaluate.scoring import relative_loss_delta
 from autoprec.evaluate.workload import production_spec
 from autoprec.models import load_model

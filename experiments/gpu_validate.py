@@ -53,6 +53,13 @@ ones) so that compiling cannot eat the time limit; `--compile-kernels` lets it c
 both parts, a batch of 4, a couple of steps, timed with `time.perf_counter` (no memory figure),
 predictions for `--device` (default h100-sxm). Its numbers only show that the script works.
 
+The measured search (issue 37), its own script and section (experiments/measured_search.py):
+`--only measured` runs it on the GPU within `--max-minutes` (the zoo's llama at llama3-8b and
+llama3.2-1b widths, compiled, and resnet50 at batch 256 channels_last, each searched with
+measured pricing, then the export, AMP and every hand rule timed side by side); with
+`--dry-run`, its quick CPU workload.
+
+    python experiments/gpu_validate.py --only measured --write-docs --docs $OUT/benchmarks.md
     python experiments/gpu_validate.py --write-docs          # on the GPU machine
     python experiments/gpu_validate.py --dry-run             # anywhere (the test runs this)
 
@@ -142,7 +149,9 @@ class Args:
     max_minutes: float = field(default=7.0, metadata={"help": "start no new work after this"})
     only: list[str] = field(
         default_factory=list,
-        metadata={"help": "only these parts: small, llama, image, transformer; blocks (alone)"},
+        metadata={
+            "help": "only these parts: small, llama, image, transformer; blocks or measured (alone)"
+        },
     )
     blocks_policy: Path | None = field(default=None, metadata={"help": "gpu_blocks' searched"})
     section: str = field(
@@ -797,6 +806,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         import gpu_blocks
 
         return gpu_blocks.main(gpu_blocks.forwarded(args))
+    if "measured" in args.only:  # issue 37: the measured search on this device, end to end
+        import measured_search
+
+        return measured_search.main(measured_search.forwarded(args))
     if args.section_from is not None:
         return copy_sections(args.section_from, args.docs)
     clock, dev, gpu = start(args)

@@ -617,3 +617,27 @@ def test_verify_rules_quick(tmp_path):
         speedup, memory, delta = (float(r[k]) for k in ("speedup", "memory", "delta"))
         expected = math.log(speedup) - 0.5 * math.log(memory) - 40.7111 * max(0.0, delta)
         assert float(r["reward"]) == pytest.approx(expected, abs=4e-3)  # delta shown to 1e-4
+
+
+def test_measured_search_quick(tmp_path):
+    """The measured search on this CPU (issue 37): searched with the CPU as the target, then
+    the export and AMP timed side by side, with a verdict and the export's provenance."""
+    section = _section(_run("measured_search.py", tmp_path, "--quick", "--budget", "2"),
+                       "measured_search")  # fmt: skip
+    _provenance_ok(section)
+    (table,) = _tables(section)
+    assert [r["arm"] for r in table][:2] == ["export", "AMP"]
+    for r in table:
+        assert r["program"] == "eager" and r["error"] == ""
+        assert _num(r["step ms"]) > 0 and _num(r["samples/s"].replace(",", "")) > 0
+    assert "Verdict: the export is " in section and "execution eager" in section
+
+
+def test_gpu_validate_forwards_the_measured_search():
+    module = _load_script("measured_search")
+    gpu = _load_script("gpu_validate")
+    args = gpu.parse_args(gpu.Args, "test", ["--only", "measured", "--max-minutes", "6"])
+    assert module.forwarded(args) == ["--preset", "gpu", "--max-minutes", "6.0"]
+    dry = gpu.parse_args(gpu.Args, "test", ["--only", "measured", "--dry-run", "--json", "r.json"])
+    assert module.forwarded(dry)[:3] == ["--preset", "cpu", "--max-minutes"]
+    assert "--quick" in module.forwarded(dry) and module.forwarded(dry)[-2:] == ["--json", "r.json"]

@@ -26,6 +26,7 @@ from autoprec.cli.recipe_options import recipe_options
 from autoprec.cli.search_config import config_from, merge_config
 from autoprec.cli.search_progress import Progress, console, working
 from autoprec.cli.sensitivity_progress import sensitivity_progress
+from autoprec.defaults import PRICINGS
 from autoprec.pipeline import SearchCallbacks, SearchConfig, SearchExportError, run_search
 from autoprec.pipeline.config import (
     DEFAULT_STORAGE,
@@ -37,6 +38,7 @@ from autoprec.pipeline.config import (
     SearchSetupError,
 )
 from autoprec.pipeline.evaluations import AUTO_WORKERS, MIN_REFERENCE_S
+from autoprec.policy.fields import EXECUTION_MODES
 
 if TYPE_CHECKING:  # pragma: no cover
     from autoprec.agents.base import SearchCallback
@@ -112,6 +114,21 @@ workers_option = click.option(
     help="native: every layer must run natively on the target (the policy is for production "
     "training); emulate: a study of formats, any layer kind at any format the target lists "
     "(the exported file says it is not for native training).",
+)
+@click.option(
+    "--execution",
+    type=click.Choice(EXECUTION_MODES),
+    default=DEFAULTS["execution"],
+    help="The program production training runs, compiled (torch.compile) or eager: what the "
+    "costs are for, and the exported target.execution (default: measured, compiled on a GPU and "
+    "eager on the CPU; modelled, the cost model's default).",
+)
+@click.option(
+    "--pricing",
+    type=click.Choice(PRICINGS),
+    **_default("pricing"),
+    help="Where speed comes from: auto (timed on this machine's device when it is the target, "
+    "e.g. --target cpu here, else the cost model), model, or measured.",
 )
 @evaluator_options
 @workers_option

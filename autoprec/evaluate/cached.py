@@ -18,8 +18,9 @@ from typing import Any
 
 from torch import nn
 
+from autoprec.cache import digest
 from autoprec.evaluate._store import EvaluationStore
-from autoprec.evaluate.config import EvaluatorConfig, digest
+from autoprec.evaluate.config import EvaluatorConfig
 from autoprec.evaluate.metrics import Metrics
 from autoprec.policy import PrecisionPolicy
 

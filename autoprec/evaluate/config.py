@@ -13,11 +13,11 @@ Example:
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import InitVar, dataclass, field, replace
 from typing import Any
 
+from autoprec.defaults import PRICINGS
+from autoprec.policy.fields import EXECUTION_MODES
 from autoprec.training.pretrain import BACKOFF_SETTINGS
 from autoprec.training.recipe import (
     DEFAULT_RECIPE,
@@ -27,6 +27,10 @@ from autoprec.training.recipe import (
 )
 
 FIDELITIES = ("short", "full", "surrogate")
+#: The program timed when measuring and ``execution`` is None: production GPU training compiles
+#: (fp8 pays only compiled), while on a CPU inductor's compile of each program costs more than
+#: the training it would speed up in a search (and CPU training is rarely compiled).
+MEASURED_EXECUTION = {"cuda": "compiled", "cpu": "eager"}
 SHORT_STEPS = 10
 FULL_STEPS = 30
 # Fine-tunes per evaluation, each on batches of its own, their losses averaged: one fine-tune
@@ -44,13 +48,6 @@ REPLICATE_SEED_STRIDE = 10_000  # replicate r of seed s fine-tunes on batches of
 FINETUNE_RATE_DIVISOR = 5
 FINETUNE_LR = DEFAULT_RECIPE.lr / FINETUNE_RATE_DIVISOR  # 0.01, the default recipe's
 FINETUNE_MOMENTUM = 0.0
-
-
-def digest(obj: Any) -> str:
-    """SHA-256 (hex, 32 characters) of ``obj``'s canonical JSON (sorted keys, ``str`` for the
-    rest): the form every key of the evaluator's caches is made of."""
-    text = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 def check_fidelity(fidelity: str) -> str:
@@ -95,6 +92,14 @@ class EvaluatorConfig:
         target_mode: ``"native"``: a policy is feasible only if every layer runs natively on
             the target (:mod:`autoprec.hardware.runnability`); ``"emulate"``: a study of
             formats the target lacks, anything the device's format list holds is feasible.
+        execution: the program production runs, ``"compiled"`` (``torch.compile``) or
+            ``"eager"``: what the cost model prices and what is measured. None: the cost
+            model's default when modelled; measured, compiled on a GPU and eager on the CPU
+            (:data:`MEASURED_EXECUTION`).
+        pricing: where step times and memory come from: ``"model"`` (the cost model),
+            ``"measured"`` (timed on this machine's device, which must be the target:
+            :mod:`autoprec.evaluate.measured`), or ``"auto"``: measured when the target is
+            this machine's device, else the model.
 
     Raises:
         ValueError: an unknown fidelity or target mode, or a count below 1.
@@ -113,6 +118,8 @@ class EvaluatorConfig:
     batch_seed: int | None = None
     cost_batch_size: int | None = None
     target_mode: str = "native"
+    execution: str | None = None
+    pricing: str = "auto"
 
     def __post_init__(self, batch_size: int | None, lr: float | None) -> None:
         # the aliases join the recipe (checked there): the recipe is their one home
@@ -120,6 +127,13 @@ class EvaluatorConfig:
         if self.target_mode not in ("native", "emulate"):
             raise ValueError(f"target_mode must be native or emulate, got {self.target_mode!r}")
         check_fidelity(self.fidelity)
+        if self.execution is not None and self.execution not in EXECUTION_MODES:
+            raise ValueError(
+                f"execution must be {' or '.join(EXECUTION_MODES)} (or None), "
+                f"got {self.execution!r}"
+            )
+        if self.pricing not in PRICINGS:
+            raise ValueError(f"pricing must be one of {', '.join(PRICINGS)}, got {self.pricing!r}")
         for name in ("steps", "replicates"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -187,7 +201,9 @@ class EvaluatorConfig:
 
     def canonical(self) -> dict[str, Any]:
         """Every setting that decides a result, resolved (a None and the value it stands for
-        are one setting): the configuration's part of the evaluation cache key."""
+        are one setting): the configuration's part of the evaluation cache key. ``execution``
+        and ``pricing`` join the key through the costs' identity
+        (:meth:`~autoprec.evaluate.costing.CostEstimator.identity`), where they decide."""
         return {
             **self.warm_start_settings(),
             "seed": self.seed,

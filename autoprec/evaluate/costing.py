@@ -63,8 +63,11 @@ class CostEstimator:
         batch_size: the production batch size.
         target_mode: ``"native"`` or ``"emulate"`` (see :mod:`autoprec.hardware.runnability`).
         module: the fine-tuned model, whose layers policies are resolved against.
+        execution: the program production runs, ``"eager"`` or ``"compiled"``
+            (:meth:`CostModel.step`'s ``execution``); None: the cost model's default.
 
     Attributes:
+        module: the fine-tuned model (``module`` above).
         model: the target's :class:`~autoprec.hardware.CostModel` (its calibration included).
     """
 
@@ -75,18 +78,20 @@ class CostEstimator:
         batch_size: int,
         target_mode: str,
         module: nn.Module,
+        execution: str | None = None,
     ) -> None:
         self.device = device
         self.cost_spec = cost_spec
         self.batch_size = batch_size
         self.target_mode = target_mode
+        self.execution = execution
         self.model = CostModel(device)
-        self._module = module
+        self.module = module
         self._table: LayerTable | None = None
 
     def identity(self) -> dict[str, Any]:
         """What decides the estimates besides the policy, for cache keys."""
-        return {
+        out = {
             "cost": [
                 model_fingerprint(self.cost_spec.module),
                 list(getattr(self.cost_spec, "input_shape", None) or []),
@@ -96,6 +101,9 @@ class CostEstimator:
             "efficiency": self.model.efficiency.to_dict(),
             "runnability": runnability_identity(),
         }
+        if self.execution is not None:  # named: part of the key (unnamed keys stay as they were)
+            out["execution"] = self.execution
+        return out
 
     def cost_table(self) -> LayerTable:
         """The layer table of ``cost_spec`` at ``batch_size`` (analysed once, cached on disk)."""
@@ -117,15 +125,17 @@ class CostEstimator:
         """Step time (s) and memory (bytes) of ``{layer: precision}``, unrunnable layers fp32."""
         bad = self.unrunnable(precisions)
         runnable = {n: (Precision.FP32 if n in bad else p) for n, p in precisions.items()}
-        est = self.model.step(self.cost_table(), runnable, batch_size=self.batch_size)
+        est = self.model.step(
+            self.cost_table(), runnable, batch_size=self.batch_size, execution=self.execution
+        )
         return est.step_time_s, int(est.memory_bytes)
 
     @functools.cached_property
     def fp32(self) -> tuple[float, int]:
         """The estimate of the uniform fp32 policy."""
-        return self.estimate(PrecisionPolicy.uniform(Precision.FP32).resolve(self._module))
+        return self.estimate(PrecisionPolicy.uniform(Precision.FP32).resolve(self.module))
 
     @functools.cached_property
     def amp(self) -> tuple[float, int]:
         """The estimate of the target's blanket AMP policy."""
-        return self.estimate(amp_policy(self.device).resolve(self._module))
+        return self.estimate(amp_policy(self.device).resolve(self.module))

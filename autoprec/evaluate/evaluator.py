@@ -6,8 +6,11 @@ number of steps on the same fixed batches with the policy applied, and is then s
 policy still applied: loss over the whole training split, accuracy and loss on the validation
 split. The uniform fp32 policy, evaluated the same way, is the reference of every delta.
 
-Step time and memory are measured (CUDA events, peak allocated memory) when the target is the
-local CUDA device, and come from :class:`autoprec.hardware.CostModel` otherwise.
+Step time and memory are measured when the target is this machine's device (a GPU, or the
+CPU as ``--target cpu``; ``config.pricing``): ranked by a per-layer table timed once per device
+and software version, the finalists timed as whole steps of the program production runs
+(:mod:`autoprec.evaluate.measured`, :meth:`Evaluator.time_steps`); otherwise they come from
+:class:`autoprec.hardware.CostModel`.
 
 The ``"surrogate"`` fidelity trains nothing: :class:`autoprec.evaluate.surrogate.Surrogate`
 predicts ``loss_delta`` from per-layer sensitivities (computed once per evaluator, cached on disk)
@@ -42,7 +45,7 @@ import torch
 from autoprec._periodic import Progress
 from autoprec.cache import cache_dir as default_cache_dir
 from autoprec.evaluate.cached import EvaluationCache, EvaluationIdentity
-from autoprec.evaluate.config import EvaluatorConfig, check_fidelity
+from autoprec.evaluate.config import MEASURED_EXECUTION, EvaluatorConfig, check_fidelity
 from autoprec.evaluate.costing import CostEstimator
 from autoprec.evaluate.finetune import FineTuner, FineTuneRun
 from autoprec.evaluate.metrics import Metrics
@@ -50,7 +53,6 @@ from autoprec.evaluate.scoring import Baseline, predicted_metrics, score_run
 from autoprec.evaluate.surrogate import Surrogate
 from autoprec.evaluate.warm_start import WarmStart, weights_digest
 from autoprec.hardware import DeviceSpec, detect, get_device
-from autoprec.hardware.defaults import amp_policy
 from autoprec.layers import model_fingerprint
 from autoprec.policy import PrecisionPolicy, resolve_mode
 from autoprec.precision import Precision, parse_precision
@@ -96,8 +98,10 @@ class Evaluator:
             fidelity, ``finetune_lr``, ``batch_seed`` and ``cost_batch_size`` resolved, the
             ``recipe`` and its ``batch_size`` and ``lr``).
         device: the target's DeviceSpec.
-        measured: whether runs are timed on this machine's GPU (the target is this device).
-        mode: the runtime mode of the runs, ``"native"`` when measured, else ``"emulate"``.
+        measured: whether costs are measured on this machine's device (the target is this
+            device and ``config.pricing`` allows it), not modelled.
+        mode: the runtime mode of the fine-tunes: ``"native"`` on the target's own GPU, else
+            ``"emulate"``.
         runs: fine-tuning runs done by this instance (cache hits do not count).
         surrogate_pairs: ``{policy key: (precisions, loss_delta)}`` of the real evaluations
             (either fidelity, cache hits included) that did not diverge; the surrogate's
@@ -141,25 +145,45 @@ class Evaluator:
         spec.check_batch(self.config.recipe.batch_size, activations=True)
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self.cost_spec = spec if cost_spec is None else cost_spec
-        self.measured = torch.cuda.is_available() and detect().name == self.device.name
-        self.mode = resolve_mode("auto", "cuda" if self.measured else "cpu")
+        local = detect().name == self.device.name
+        on_gpu = torch.cuda.is_available() and local  # the fine-tunes run natively there
+        self.measured = self._measures(local)
+        self.mode = resolve_mode("auto", "cuda" if on_gpu else "cpu")
         self.fingerprint = model_fingerprint(spec.module)
         model = (self.fingerprint, weights_digest(spec.module))
         self._warm = WarmStart(spec, data, self.config, self.cache_dir, model)
-        self._tuner = FineTuner(spec, data, self.config, self.measured)
-        self._costs = CostEstimator(
-            self.device, self.cost_spec, self.cost_batch_size, self.target_mode, spec.module
-        )
+        self._tuner = FineTuner(spec, data, self.config, on_gpu)
+        self._costs: Any = CostEstimator(
+            self.device, self.cost_spec, self.cost_batch_size, self.target_mode, spec.module,
+            execution=self.config.execution,
+        )  # fmt: skip
+        if self.measured:
+            from autoprec.evaluate.measured import MeasuredCosts, local_torch_device
+
+            where = local_torch_device()
+            execution = self.config.execution or MEASURED_EXECUTION[where.type]
+            optimizer = self.config.recipe.optimizer
+            self._costs = MeasuredCosts(self._costs, execution, optimizer, where)
         identity = EvaluationIdentity(
             self.config, model, data.key, self._costs.identity(), self.mode
         )
         self._cache = EvaluationCache(self.cache_dir / "evaluations.sqlite", identity, spec.module)
-        self._amp_runs: dict[str, FineTuneRun] = {}
         self._surrogate: Surrogate | None = None
         self.surrogate_formats: tuple[str, ...] | None = None  # its table's; None: the default
         self._pool: Any = None  # an EvaluationPool while start_workers' workers run
         self.surrogate_pairs: dict[str, tuple[dict[str, Precision], float]] = {}
         self.runs = 0
+
+    def _measures(self, local: bool) -> bool:
+        """Whether costs are measured: ``pricing`` ``"measured"`` (the target must be this
+        machine's device), or ``"auto"`` on the target's own device."""
+        pricing = self.config.pricing
+        if pricing == "measured" and not local:
+            raise ValueError(
+                f"pricing 'measured' times this machine's device ({detect().name}), not the "
+                f"target {self.device.name}; name --target {detect().name} or price by the model"
+            )
+        return pricing == "measured" or (pricing == "auto" and local)
 
     # --- public -----------------------------------------------------------------------------
     @property
@@ -232,7 +256,7 @@ class Evaluator:
         """
         if workers < 2:
             return f"{workers} worker(s) asked: evaluating in this process"
-        if self.measured:
+        if self.measured and torch.cuda.is_available():
             return "runs are timed on this machine's GPU: evaluating one at a time"
         from autoprec.evaluate.pool import EvaluationPool
 
@@ -334,6 +358,41 @@ class Evaluator:
         graded = ["fp8" if p.is_fp8 else p.value for p in map(parse_precision, precisions)]
         self.surrogate_formats = tuple(dict.fromkeys(["fp32", *graded]))
 
+    def measure_costs(
+        self, choices: Mapping[str, Iterable[str]], progress: Progress | None = None
+    ) -> int:
+        """Time the per-layer table for ``{layer: precisions}`` (those a search offers) and
+        fp32's whole step, before the search runs (measured pricing only; kept on disk, so a
+        second search measures nothing). Returns how many layer timings were taken."""
+        if not self.measured:
+            return 0
+        self.stop_workers()  # timings taken alone on the device
+        return self._costs.measure(choices, progress)
+
+    def time_steps(self, policies: Iterable[Any]) -> list[Any]:
+        """Each policy's whole training step on this machine's device, as production runs it,
+        side by side (:class:`~autoprec.timing.StepTiming` each; measured pricing only, else
+        empty).
+        Worker processes are stopped first: a timing shares the device with nothing."""
+        if not self.measured:
+            return []
+        self.stop_workers()
+        return self._costs.steps(policies)
+
+    @property
+    def execution(self) -> str | None:
+        """The program costs are for: measured, the one timed; modelled,
+        ``config.execution`` (None: the cost model's default, not stated)."""
+        return getattr(self._costs, "execution", None)
+
+    @property
+    def costs(self) -> Any:
+        """Where costs come from: the cost model's
+        :class:`~autoprec.evaluate.costing.CostEstimator`, or, measured, the
+        :class:`~autoprec.evaluate.measured.MeasuredCosts` (its ``execution``, ``fp32_step``,
+        ``store``)."""
+        return self._costs
+
     def cost_table(self) -> Any:
         """The layer table of :attr:`cost_spec` at :attr:`cost_batch_size` (cached)."""
         return self._costs.cost_table()
@@ -378,23 +437,6 @@ class Evaluator:
         self.runs += 1
         return self._tuner.run(policy, fidelity, state, mode, start, self._warm.lr_scale)
 
-    def _cost(self, run: FineTuneRun, precisions: Mapping[str, Precision]) -> tuple[float, int]:
-        """The run's measured step time and memory, else the cost model's for ``precisions``."""
-        if self.measured and run.step_time_s is not None:
-            return run.step_time_s, run.memory_bytes or 0
-        return self._costs.estimate(precisions)
-
-    def _amp_cost(self, fidelity: str) -> tuple[float, int]:
-        """Step time and memory of the target's blanket AMP policy."""
-        if not self.measured:
-            return self._costs.amp
-        if fidelity not in self._amp_runs:  # a raw run, so that no evaluate() recursion occurs
-            self._amp_runs[fidelity] = self._run(amp_policy(self.device), fidelity)
-        run = self._amp_runs[fidelity]
-        if run.step_time_s is None:  # the AMP run itself failed; fall back to the model
-            return self._costs.amp
-        return run.step_time_s, run.memory_bytes or 0
-
     def _score(
         self,
         policy: PrecisionPolicy,
@@ -405,13 +447,13 @@ class Evaluator:
         reference's for a policy, the run's own for the reference itself."""
         precisions = policy.resolve(self.spec.module)
         run = self._run(policy, fidelity)
-        cost = self._cost(run, precisions)
+        cost = self._costs.estimate(precisions)
         against = baseline(run, cost)
         return score_run(
             run,
             against,
             cost=cost,
-            amp=self._amp_cost(fidelity),
+            amp=self._costs.amp,
             runnable=not self.unrunnable(precisions),
             measured=self.measured,
             fidelity=fidelity,

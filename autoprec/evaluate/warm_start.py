@@ -24,8 +24,9 @@ import torch
 from torch import nn
 
 from autoprec._periodic import Progress
+from autoprec.cache import digest
 from autoprec.evaluate._store import load_state, save_state_atomic
-from autoprec.evaluate.config import EvaluatorConfig, digest
+from autoprec.evaluate.config import EvaluatorConfig
 from autoprec.training.pretrain import Attempt, WarmStartError, backoff_note, train_fp32
 
 if TYPE_CHECKING:  # pragma: no cover

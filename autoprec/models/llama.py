@@ -141,6 +141,11 @@ PRODUCTION_SHAPES: dict[str, LlamaConfig] = {
     "llama3-8b": LlamaConfig(4096, 32, 32, 8, 14336, 128256, 8192, rope_theta=500_000.0),
     "llama3-70b": LlamaConfig(8192, 80, 64, 8, 28672, 128256, 8192, rope_theta=500_000.0),
     "llama3-405b": LlamaConfig(16384, 126, 128, 8, 53248, 128256, 8192, rope_theta=500_000.0),
+    # Llama 3.2 1B (meta-llama/Llama-3.2-1B config.json: hidden 2048, intermediate 8192, 32
+    # heads, 8 KV heads, 16 layers; its embedding and head are tied, the zoo's are not), at
+    # the 8192-token sequence of the others: the 1B-class width where torchao's auto-filter
+    # leaves most Linears in bf16
+    "llama3.2-1b": LlamaConfig(2048, 16, 32, 8, 8192, 128256, 8192, rope_theta=500_000.0),
 }
 
 

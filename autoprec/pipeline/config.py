@@ -22,8 +22,9 @@ from autoprec._datafile import DataFileError, parse_yaml, read_text
 from autoprec._text import excerpt
 from autoprec._values import BUDGET_RANGE, INT32_MAX, SEED_RANGE, NumberRange, is_number, kind
 from autoprec.agents.registry import NAMES as AGENT_NAMES
-from autoprec.defaults import MAX_BATCH_SIZE, MAX_IMAGE_SIZE
+from autoprec.defaults import MAX_BATCH_SIZE, MAX_IMAGE_SIZE, PRICINGS
 from autoprec.evaluate.reward import DEFAULT_TOLERANCE, DEFAULT_WEIGHTS
+from autoprec.policy.fields import EXECUTION_MODES
 from autoprec.training.recipe import RecipeError, TrainingRecipe
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -38,7 +39,13 @@ SEARCH_VERIFY_SEEDS = 2
 FIDELITIES = ("short", "full")
 TARGET_MODES = ("native", "emulate")
 #: The fields that take one of a few names.
-CHOICES = {"agent": AGENT_NAMES, "fidelity": FIDELITIES, "target_mode": TARGET_MODES}
+CHOICES = {
+    "agent": AGENT_NAMES,
+    "fidelity": FIDELITIES,
+    "target_mode": TARGET_MODES,
+    "execution": EXECUTION_MODES,
+    "pricing": PRICINGS,
+}
 
 #: The range of each numeric option of a search (and of its config file's keys); a field
 #: left at None (its default is computed) is not checked.
@@ -92,6 +99,11 @@ class SearchConfig:
         precisions: those the search may choose from, comma-separated (None: every one the
             target runs); a list or tuple of names is joined.
         target_mode: ``native`` (every layer runs natively on the target) or ``emulate``.
+        execution: the program production runs, ``compiled`` (``torch.compile``) or ``eager``:
+            what is priced (and timed), and the exported ``target.execution``. None: measured,
+            compiled on a GPU and eager on the CPU; modelled, the cost model's default.
+        pricing: ``auto`` (time on this machine's device when it is the target, else the cost
+            model), ``model`` or ``measured`` (:class:`~autoprec.evaluate.EvaluatorConfig`).
         seed: the seed of the warm start, the data order and the agent.
         num_classes, image_size: the fine-tuned model's classes and input size.
         train_batch_size, train_image_size, train_shape: the production batch, image size and
@@ -129,6 +141,8 @@ class SearchConfig:
     train_tokens: float | None = None
     precisions: str | None = None
     target_mode: str = "native"
+    execution: str | None = None
+    pricing: str = "auto"
     seed: int = 0
     num_classes: int = 10
     image_size: int | None = None

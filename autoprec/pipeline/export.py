@@ -244,13 +244,12 @@ def _rule_policy(
 ) -> PrecisionPolicy:
     """Hand rule ``name``'s policy as a search exports its own (model, target, metrics)."""
     from autoprec.agents.export import export_policy, layer_policy, policy_metrics
-    from autoprec.policy import TargetInfo
 
     result = found.result
     return export_policy(
         layer_policy(found.rule_policies[name]),
         spec_module,
-        target=TargetInfo(device=result.target, mode=result.target_mode) if result.target else None,
+        target=result.target_info(),
         metrics={**policy_metrics(metrics), "reward": reward},
         provenance={"agent": "hand rule", "rule": name},
     )

@@ -38,7 +38,12 @@ from autoprec.pipeline.config import (
     SearchConfig,
     SearchSetupError,
 )
-from autoprec.pipeline.evaluations import comparisons, prefetch_comparisons, start_workers
+from autoprec.pipeline.evaluations import (
+    comparisons,
+    measured_finalists,
+    prefetch_comparisons,
+    start_workers,
+)
 from autoprec.pipeline.export import Exporter, Found
 from autoprec.pipeline.report import Comparison, SearchReport
 
@@ -90,6 +95,7 @@ class _Run:
         self.at_once = 1  # real evaluations side by side (the worker processes)
         self.verify_status = 0
         self.policy: PrecisionPolicy | None = None  # the best policy as exported
+        self.measured: dict[str, Any] = {}  # what the finalists' timings were, for provenance
 
     def main(self) -> SearchReport:
         try:
@@ -112,6 +118,12 @@ class _Run:
             except KeyboardInterrupt:
                 return self._interrupted()
         amp, self.rules = comparisons(problem, self._phase)
+        if problem.evaluator.measured:
+            with self._phase("measured finalists"):
+                result, amp, self.rules, self.measured = measured_finalists(
+                    problem, result, amp, self.rules
+                )
+            self.tell.line(self._measured_line())
         written = self._export(result, amp, interrupted=False)
         self._finish_tracking(result, written, amp, status="FINISHED")
         if self.c.verify and written is not None:
@@ -222,7 +234,12 @@ class _Run:
         ).resolved()  # fmt: skip
         with self._phase("model and data"):
             settings = EvaluatorConfig(
-                fidelity=c.fidelity, steps=c.steps, target_mode=c.target_mode, recipe=c.recipe
+                fidelity=c.fidelity,
+                steps=c.steps,
+                target_mode=c.target_mode,
+                recipe=c.recipe,
+                execution=c.execution,
+                pricing=c.pricing,
             )
             evaluator, workload = build_evaluator(workload, device, settings)
         self.c = c = dataclasses.replace(
@@ -239,6 +256,8 @@ class _Run:
             reward = self._reward_for_length(workload, cost_spec)
         # a model with no layer to tune is refused here, before the warm start
         problem = Problem(evaluator, fidelity=c.fidelity, reward=reward, precisions=precisions)
+        if evaluator.measured:  # before any worker process shares the device
+            self._measure_layers(problem)
         with self._phase("warm start and fp32 reference", draws_progress=True):
             with self.tell.stage_progress("warm start") as (progress, _):
                 evaluator.warm_start_state(progress)  # its steps and time left, if it trains
@@ -255,6 +274,33 @@ class _Run:
         pareto = Path(c.pareto_dir) if c.pareto_dir else None
         self.exporter = Exporter(self.tell.line, spec, device, Path(c.out), pareto)
         return problem, self._agent_kwargs()
+
+    def _measure_layers(self, problem: Problem) -> None:
+        """The per-layer table on this machine's device (the target), for every precision
+        each layer may take, and fp32's whole step; said in one line."""
+        evaluator = problem.evaluator
+        choices = {name: problem.choices(name) for name in problem.layers()}
+        with self._phase("per-layer timings", draws_progress=True):
+            with self.tell.stage_progress("per-layer timings") as (progress, _):
+                taken = evaluator.measure_costs(choices, progress)
+        costs = evaluator.costs
+        stored = "measured now" if taken else "all stored from an earlier search"
+        self.tell.line(
+            f"measuring on this {costs.torch_device.type} ({costs.store.software['device']}): "
+            f"{len(costs.layers.sites)} unique layers, {costs.execution}, "
+            f"{costs.memory_format}; {taken} layer timings {stored}; fp32 step "
+            f"{costs.fp32_step.step_s * 1e3:.2f} ms"
+        )
+
+    def _measured_line(self) -> str:
+        """What the finalists' whole steps said, in one line."""
+        m = self.measured
+        return (
+            f"finalists timed as whole steps on {m.get('measured_on', 'this device')} "
+            f"({m['measured_execution']}): fp32 {m['measured_fp32_step_s'] * 1e3:.2f} ms, AMP "
+            f"{m['measured_amp_step_s'] * 1e3:.2f} ms; {m['measured_finalists']} searched "
+            "policies and every hand rule repriced by them"
+        )
 
     def _reward_for_length(self, workload: Workload, cost_spec: ModelSpec) -> RewardConfig:
         """The reward at ``train_tokens``' accuracy weight (Chinchilla's price of a loss increase
@@ -347,6 +393,8 @@ class _Run:
                 "init_weights": c.init_weights,
                 "max_samples": c.max_samples,
                 "train_tokens": self.train_tokens,
+                "execution": c.execution,
+                "pricing": c.pricing,
                 "image_size": c.image_size,
                 "num_classes": c.num_classes,
                 "study_name": self._search_name(),
@@ -411,6 +459,7 @@ class _Run:
         """The search's files (:class:`~autoprec.pipeline.export.Exporter`); the best
         policy's path, None when no real evaluation finished."""
         begin = time.perf_counter()
+        result.execution = self.problem.evaluator.execution  # the exports' target.execution
         self.policy = self._best_policy(result, interrupted)
         from autoprec.agents.hand_rules import hand_rule_policies, hand_rules_left_out
 
@@ -443,6 +492,7 @@ class _Run:
                 WARM_START_LR: float(f"{self.problem.evaluator.warm_start_lr:g}"),
                 **{f"w_{k}": float(f"{w:.6g}") for k, w in self.problem.reward.weights.items()},
                 **self._given({"train_tokens": self.train_tokens, "max_samples": c.max_samples}),
+                **self.measured,
                 **self._run_provenance(),
             }
         )
