@@ -12,7 +12,7 @@ as the fastest of them within the run's noise (its median at most the fastest's 
 the larger of the two spreads), and strictly faster when beyond it.
 
 Workloads (`--preset`):
-- `cpu` (this machine, no GPU): resnet18 on `teacher` at 32x32, batch 32, eager (the CPU's
+- `cpu` (this machine, no GPU): resnet18 on `teacher`, trained at 32x32, batch 32, eager (the CPU's
   default program: inductor's compile of each program costs more than the search can win);
   the CPU runs fp32 and bf16 (autocast).
 - `gpu` (the issue's, for a lent GPU; at most 8 minutes, `--max-minutes` stops starting new
@@ -84,7 +84,7 @@ def workloads(args: Args) -> list[Workload]:
             return [Workload("tinycnn, digits, 8x8, batch 32", "tinycnn", "digits",
                              "fp32,bf16", "eager", batch=32)]  # fmt: skip
         return [Workload("resnet18, teacher, 32x32, batch 32", "resnet18", "teacher",
-                         "fp32,bf16", "eager", batch=32)]  # fmt: skip
+                         "fp32,bf16", "eager", batch=32, train_image_size=32)]  # fmt: skip
     lm = {"init_weights": None, "max_samples": 4096}
     return [
         Workload("llama at llama3-8b widths, batch 1 x 8192", "llama-small", "python-text",

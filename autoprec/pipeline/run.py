@@ -38,12 +38,7 @@ from autoprec.pipeline.config import (
     SearchConfig,
     SearchSetupError,
 )
-from autoprec.pipeline.evaluations import (
-    comparisons,
-    measured_finalists,
-    prefetch_comparisons,
-    start_workers,
-)
+from autoprec.pipeline.evaluations import comparisons, prefetch_comparisons, start_workers
 from autoprec.pipeline.export import Exporter, Found
 from autoprec.pipeline.report import Comparison, SearchReport
 
@@ -119,11 +114,15 @@ class _Run:
                 return self._interrupted()
         amp, self.rules = comparisons(problem, self._phase)
         if problem.evaluator.measured:
+            from autoprec.pipeline import measured
+
             with self._phase("measured finalists"):
-                result, amp, self.rules, self.measured = measured_finalists(
-                    problem, result, amp, self.rules
-                )
-            self.tell.line(self._measured_line())
+                found = measured.time_finalists(problem, result, amp, self.rules)
+            result, amp, self.rules, self.measured = (
+                found.result, found.amp, found.rules, found.provenance
+            )  # fmt: skip
+            self.tell.line(measured.finalists_line(found.provenance))
+            measured.keep_steps(problem, self.c, found.timed, self.tell.line)
         written = self._export(result, amp, interrupted=False)
         self._finish_tracking(result, written, amp, status="FINISHED")
         if self.c.verify and written is not None:
@@ -257,7 +256,10 @@ class _Run:
         # a model with no layer to tune is refused here, before the warm start
         problem = Problem(evaluator, fidelity=c.fidelity, reward=reward, precisions=precisions)
         if evaluator.measured:  # before any worker process shares the device
-            self._measure_layers(problem)
+            from autoprec.pipeline.measured import measure_layers
+
+            with self._phase("per-layer timings", draws_progress=True):
+                measure_layers(problem, self.tell)
         with self._phase("warm start and fp32 reference", draws_progress=True):
             with self.tell.stage_progress("warm start") as (progress, _):
                 evaluator.warm_start_state(progress)  # its steps and time left, if it trains
@@ -274,33 +276,6 @@ class _Run:
         pareto = Path(c.pareto_dir) if c.pareto_dir else None
         self.exporter = Exporter(self.tell.line, spec, device, Path(c.out), pareto)
         return problem, self._agent_kwargs()
-
-    def _measure_layers(self, problem: Problem) -> None:
-        """The per-layer table on this machine's device (the target), for every precision
-        each layer may take, and fp32's whole step; said in one line."""
-        evaluator = problem.evaluator
-        choices = {name: problem.choices(name) for name in problem.layers()}
-        with self._phase("per-layer timings", draws_progress=True):
-            with self.tell.stage_progress("per-layer timings") as (progress, _):
-                taken = evaluator.measure_costs(choices, progress)
-        costs = evaluator.costs
-        stored = "measured now" if taken else "all stored from an earlier search"
-        self.tell.line(
-            f"measuring on this {costs.torch_device.type} ({costs.store.software['device']}): "
-            f"{len(costs.layers.sites)} unique layers, {costs.execution}, "
-            f"{costs.memory_format}; {taken} layer timings {stored}; fp32 step "
-            f"{costs.fp32_step.step_s * 1e3:.2f} ms"
-        )
-
-    def _measured_line(self) -> str:
-        """What the finalists' whole steps said, in one line."""
-        m = self.measured
-        return (
-            f"finalists timed as whole steps on {m.get('measured_on', 'this device')} "
-            f"({m['measured_execution']}): fp32 {m['measured_fp32_step_s'] * 1e3:.2f} ms, AMP "
-            f"{m['measured_amp_step_s'] * 1e3:.2f} ms; {m['measured_finalists']} searched "
-            "policies and every hand rule repriced by them"
-        )
 
     def _reward_for_length(self, workload: Workload, cost_spec: ModelSpec) -> RewardConfig:
         """The reward at ``train_tokens``' accuracy weight (Chinchilla's price of a loss increase

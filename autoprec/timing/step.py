@@ -10,9 +10,10 @@ the one training engine (:class:`~autoprec.training.trainer.Trainer`). After ``w
 each (which compile), the programs are timed side by side, ``steps`` rounds of one step each in
 a shuffled order, so that the machine's noise hits them alike: each program's median by the
 device's clock (:class:`autoprec._clock.Clock`: CUDA events on a GPU), and its own peak
-allocated memory on CUDA. A policy that cannot run (out of memory, a precision the device
-lacks, a compiler failure) is a :class:`StepTiming` with ``error`` set, not an exception: one
-bad finalist must not end a search.
+allocated memory on CUDA. On a GPU the programs are timed one at a time (steady timings, and
+memory for one program at a time). A policy that cannot run (out of memory, a precision the
+device lacks, a compiler failure) is a :class:`StepTiming` with ``error`` set, not an
+exception: one bad finalist must not end a search.
 
 Example:
     >>> from autoprec.models import load_model
@@ -273,13 +274,17 @@ def time_steps(
     warmup: int = STEP_WARMUP,
     steps: int = STEP_REPEATS,
     seed: int = 0,
+    side_by_side: bool | None = None,
 ) -> list[StepTiming]:
     """Time training steps of ``spec``'s model under each of ``policies`` on ``device``, side
     by side (see the module docstring). The spec's module is not changed (copies train).
 
-    Every program is built (and warmed up: ``warmup`` steps each, which compile), then timed
-    in ``steps`` rounds, each round one step of every program in a shuffled order (seeded), so
-    that the machine's noise hits them alike: the medians compare.
+    Side by side, every program is built (and warmed up: ``warmup`` steps each, which
+    compile), then timed in ``steps`` rounds, each round one step of every program in a
+    shuffled order (seeded), so that the machine's noise hits them alike: the medians compare.
+    Otherwise one program at a time is built, warmed up, timed and freed: on a GPU, whose
+    timings are steady and whose memory may not hold every program at once (at Llama3-8B
+    widths one program's fp32 weights, gradients and momentum take about 23 GB).
 
     Args:
         spec: the production model and its input shape.
@@ -292,6 +297,8 @@ def time_steps(
         warmup: untimed steps of each first.
         steps: timed rounds (each program's median is reported).
         seed: seeds the example batch and the order within rounds.
+        side_by_side: None: side by side on the CPU (a shared, noisy machine), one at a time
+            on CUDA.
 
     Returns:
         One :class:`StepTiming` per policy, in order; peak memory on CUDA is each step's own
@@ -308,6 +315,17 @@ def time_steps(
         )
         if how.layout == "channels_last" and x.dim() == 4:
             x = x.contiguous(memory_format=torch.channels_last)
+        together = how.device.type != "cuda" if side_by_side is None else side_by_side
+        if not together:  # one program at a time, freed before the next is built
+            out = []
+            for policy in policies:
+                runner = _Runner(spec, policy, (x, y), how)
+                for i in range(warmup + steps):
+                    runner.step(clock, timed=i >= warmup)
+                out.append(runner.timing())
+                runner.close()
+                _release(how.device)
+            return out
         for policy in policies:
             runner = _Runner(spec, policy, (x, y), how)
             for _ in range(warmup):
@@ -327,11 +345,15 @@ def time_steps(
         for runner in runners:
             runner.close()
         runners.clear()
-        gc.collect()
-        if how.device.type == "cuda":
-            torch.cuda.empty_cache()
+        _release(how.device)
     return [StepTiming(math.nan, execution=execution, memory_format=how.layout, error=error)
             for _ in policies]  # fmt: skip
+
+
+def _release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def time_step(spec: ModelSpec, policy: PolicyLike, **options: Any) -> StepTiming:

@@ -45,10 +45,23 @@ def test_the_search_measures_on_the_target_and_the_export_says_so(tmp_path):
     assert prov["measured_layers"] == 4 and prov["measured_finalists"] == len(finalists)
     assert prov["measured_fp32_step_s"] > 0 and prov["measured_amp_step_s"] > 0
     assert policy.metrics["speedup"] == pytest.approx(best.metrics.speedup, rel=1e-5)
+    # the whole steps join this device's measurement file, which calibration fits to
+    from autoprec.cache import cache_dir
+    from autoprec.hardware.measurements import read_measurements
+
+    steps = cache_dir() / "timing" / "cpu-steps.json"
+    device, rows = read_measurements(steps)
+    assert device == "cpu" and [r.label for r in rows[:2]] == ["tinycnn / fp32", "tinycnn / AMP"]
+    assert len(rows) == 2 + len(finalists) and rows[0].build == {"num_classes": 10, "image_size": 8}
+    assert all(r.execution == "eager" and r.memory_format == "channels_last" for r in rows)
+    assert f"autoprec hardware calibrate --from {steps}" in said
     # a second search on this machine times no layer again: the table is kept
     again = Lines()
     run_search(_config(out="q.yaml", seed=1), again)
     assert "0 layer timings all stored from an earlier search" in "\n".join(again.lines)
+    assert len(read_measurements(steps)[1]) > len(rows)  # added to, not replaced
+    assert main(["hardware", "calibrate", "--from", str(steps), "--output", "cal.json"]) == 0
+    assert (tmp_path / "cal.json").exists()
 
 
 def test_the_cost_model_prices_when_asked(tmp_path):

@@ -84,3 +84,8 @@ def test_a_production_shape_built_on_meta_is_timed_with_seeded_weights():
     a, b = (materialize(spec.module, "cpu").state_dict() for _ in range(2))
     assert all(torch.equal(a[k], b[k]) for k in a)  # seeded
     assert all(torch.isfinite(v).all() for v in a.values() if v.is_floating_point())
+
+
+def test_one_at_a_time_times_the_same_programs(mlp):
+    both = time_steps(mlp, ["fp32", "bf16"], batch_size=8, warmup=1, steps=3, side_by_side=False)
+    assert [t.ok for t in both] == [True, True] and all(len(t.seconds) == 3 for t in both)
