@@ -1,10 +1,10 @@
 """The measured search's own phases: where the target is this machine's device.
 
 Before the search, :func:`measure_layers` times the per-layer table (and fp32's whole step);
-after it, :func:`time_finalists` times the finalists as whole steps of the program production runs
-and reprices them, AMP and the hand rules by those timings, and :func:`keep_steps` adds those
-steps to the device's measurement file, which ``autoprec hardware calibrate --from FILE`` fits
-the cost model to (:mod:`autoprec.evaluate.measured`, :mod:`autoprec.timing`).
+after it, :func:`time_finalists` times the finalists as whole steps of the program production
+runs and reprices them, AMP and the hand rules by those timings, and :func:`keep_steps` adds
+those steps to the device's measurement file, which ``autoprec hardware calibrate --from FILE``
+fits the cost model to (:mod:`autoprec.evaluate.measured`, :mod:`autoprec.timing`).
 """
 
 from __future__ import annotations
