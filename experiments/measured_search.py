@@ -56,6 +56,11 @@ class Args:
     budget: int = 8
     rounds: int = 15
     agent: str = "tpe"
+    table_check: int = field(
+        default=-1,
+        metadata={"help": "random policies whose whole steps check the per-layer table's "
+                  "estimates (-1: 6 on the cpu preset, 0 on the gpu one)"},
+    )  # fmt: skip
     max_minutes: float = 7.0
     quick: bool = False
     write_docs: bool = False
@@ -165,12 +170,44 @@ def run_workload(w: Workload, args: Args, folder: Path) -> dict[str, Any]:
             "error": t.error,
             "layers": _mix(policy, export),
         })  # fmt: skip
+    checks = args.table_check if args.table_check >= 0 else (6 if args.preset == "cpu" else 0)
+    table = table_check(w, report.config, checks) if checks else None
     return {
         "workload": w.name, "device": device.name, "batch": batch, "tokens": w.tokens,
-        "search_s": searched_s, "rows": rows, "verdict": verdict(rows),
+        "search_s": searched_s, "rows": rows, "verdict": verdict(rows), "table": table,
         "provenance": {k: v for k, v in export.provenance.items() if k.startswith("measured_")},
         "phases": dict(report.phase_times),
     }  # fmt: skip
+
+
+def table_check(w: Workload, config: SearchConfig, n: int) -> dict[str, Any]:
+    """How well the per-layer table ranks whole steps: ``n`` random policies (each layer one
+    of its runnable precisions, seeded) plus fp32 and AMP, estimated from the search's table
+    and timed whole, side by side; the rank correlation (Spearman) and the median ratio."""
+    import random
+
+    from autoprec.agents import Problem
+    from autoprec.evaluate import EvaluatorConfig
+    from autoprec.evaluate.workload import build_evaluator
+    from autoprec.hardware.fit import rank_correlation
+
+    load = Load(w.model, config.dataset, train_shape=w.train_shape,
+                train_image_size=w.train_image_size, cost_batch_size=config.train_batch_size,
+                max_samples=config.max_samples).resolved()  # fmt: skip
+    settings = EvaluatorConfig(pricing="measured", execution=w.execution)
+    evaluator, _ = build_evaluator(load, detect(), settings)
+    problem = Problem(evaluator, precisions=tuple(config.precisions.split(",")))
+    rng = random.Random(0)
+    policies = [{n: "fp32" for n in problem.layers()},
+                {n: problem.choices(n)[-1] for n in problem.layers()}]  # fmt: skip
+    policies += [{n: rng.choice(problem.choices(n)) for n in problem.layers()} for _ in range(n)]
+    resolved = [problem.to_policy(p).resolve(evaluator.spec.module) for p in policies]
+    estimated = [evaluator.costs.estimate(p)[0] for p in resolved]
+    timings = evaluator.time_steps([problem.to_policy(p) for p in policies])
+    pairs = [(e, t.step_s) for e, t in zip(estimated, timings, strict=True) if t.ok]
+    rho = rank_correlation([e for e, _ in pairs], [m for _, m in pairs])
+    ratio = statistics.median(m / e for e, m in pairs) if pairs else float("nan")
+    return {"policies": len(pairs), "spearman": rho, "median_measured_over_table": ratio}
 
 
 def _torch_device() -> str:
@@ -231,6 +268,14 @@ def report_text(results: list[dict[str, Any]], args: Args) -> str:
         prov = ", ".join(f"{k.removeprefix('measured_')} {v}" for k, v in r["provenance"].items())
         parts.append(f"\nVerdict: the export is {r['verdict']}. Search {r['search_s']:.0f} s; "
                      f"the export's provenance: {prov}.\n")  # fmt: skip
+        if r.get("table"):
+            t = r["table"]
+            parts.append(
+                f"\nThe per-layer table against whole steps ({t['policies']} policies: fp32, the "
+                "fastest-format one and random ones, timed side by side): Spearman "
+                f"{_f(t['spearman'], '.2f')}, measured over estimated step "
+                f"{_f(t['median_measured_over_table'], '.2f')}x (median).\n"
+            )
     return "".join(parts)
 
 

@@ -100,3 +100,13 @@ def test_the_store_is_per_software_and_survives_damage(tmp_path):
     assert any(issubclass(w.category, CacheNote) and "damaged" in str(w.message) for w in caught)
     damaged.put("k", {"alone_s": 2.0})
     assert TimingStore("cpu", folder=tmp_path).get("k") == {"alone_s": 2.0}
+
+
+@pytest.mark.slow
+def test_a_compiled_table_times_the_layer_under_torch_compile(twins, tmp_path):
+    table = LayerTimings(twins, 16, "cpu", execution="compiled",
+                         store=TimingStore("cpu", folder=tmp_path))  # fmt: skip
+    assert table.measure({"head": ["bf16"]}) == 2
+    assert table.alone("head", "bf16") > 0 and table.cast_in("head", "bf16") > 0
+    eager = LayerTimings(twins, 16, "cpu", store=TimingStore("cpu", folder=tmp_path))
+    assert eager.entry("head", "bf16") is None  # another program: its own entries
