@@ -110,7 +110,7 @@ from autoprec.runtime import LossScaler, apply_policy, compile_policy
 ROOT = Path(__file__).resolve().parent.parent  # the repository
 RESULTS = ROOT / "experiments" / "results"
 # in docs/benchmarks.md: the full run, the CPU dry run, and a later run of some parts
-SECTIONS = ("gpu_validate", "gpu_validate_dry_run", "gpu_validate_rerun")
+SECTIONS = ("gpu_validate", "gpu_validate_dry_run", "gpu_validate_rerun", "measured_search")
 TINY = ("tinycnn", "mlp")  # image models that keep their own input size
 SWAPPED = ("Float8Linear", "MXFP8Linear", "Float8BlockwiseLinear", "NVFP4Linear")  # counted
 
