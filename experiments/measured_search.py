@@ -18,8 +18,11 @@ Workloads (`--preset`):
 - `gpu` (the issue's, for a lent GPU; at most 8 minutes, `--max-minutes` stops starting new
   workloads after 7): the zoo's llama (`llama-small` fine-tuned on `python-text`) at
   `llama3-8b` widths and at the 1B-class `llama3.2-1b` widths (batch 1 sequence of 8192,
-  compiled, bf16 with the fp8 recipes the device runs), and resnet50 at batch 256 on 224x224,
-  channels_last, eager (a compile per finalist would not fit the budget), fp32/tf32/bf16.
+  compiled, bf16 and tensorwise fp8; from the 4-bit study's fp32 checkpoint with its AdamW
+  recipe), and resnet50 at batch 256 on 224x224, channels_last, eager (a compile per finalist
+  would not fit the budget), fp32/tf32/bf16. Compiling is what the budget buys: each unique
+  Linear in each precision, then each finalist's whole step, so a workload that would start
+  after `--max-minutes` is skipped, in this order.
 
     python experiments/measured_search.py --preset cpu --write-docs
     python experiments/measured_search.py --preset gpu --write-docs --docs $OUT/benchmarks.md
@@ -48,6 +51,7 @@ from autoprec.policy.io import load_policy
 from autoprec.timing import time_steps
 
 SECTION = "measured_search"
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 @dataclass
@@ -90,14 +94,14 @@ def workloads(args: Args) -> list[Workload]:
                              "fp32,bf16", "eager", batch=32)]  # fmt: skip
         return [Workload("resnet18, teacher, 32x32, batch 32", "resnet18", "teacher",
                          "fp32,bf16", "eager", batch=32, train_image_size=32)]  # fmt: skip
-    lm = {"init_weights": None, "max_samples": 4096}
+    # the 4-bit study's language model and recipe (README): its fp32 checkpoint, AdamW at 3e-4
+    lm = {"init_weights": str(RESULTS / "lm" / "llama-small-python-text-fp32.pt"),
+          "max_samples": 4096, "recipe": {"optimizer": "adamw", "lr": 3e-4}}  # fmt: skip
     return [
         Workload("llama at llama3-8b widths, batch 1 x 8192", "llama-small", "python-text",
-                 "bf16,fp8,fp8_rowwise", "compiled", train_shape="llama3-8b", tokens=8192,
-                 extra=lm),
+                 "bf16,fp8", "compiled", train_shape="llama3-8b", tokens=8192, extra=lm),
         Workload("llama at llama3.2-1b widths, batch 1 x 8192", "llama-small", "python-text",
-                 "bf16,fp8,fp8_rowwise", "compiled", train_shape="llama3.2-1b", tokens=8192,
-                 extra=lm),
+                 "bf16,fp8", "compiled", train_shape="llama3.2-1b", tokens=8192, extra=lm),
         Workload("resnet50, teacher, 224x224, batch 256, channels_last", "resnet50",
                  "teacher", "fp32,tf32,bf16", "eager", batch=256, train_image_size=224),
     ]  # fmt: skip
@@ -122,17 +126,23 @@ def spread(seconds: tuple[float, ...]) -> float:
     return (q[2] - q[0]) / statistics.median(seconds)
 
 
-def run_workload(w: Workload, args: Args, folder: Path) -> dict[str, Any]:
-    device = detect()
-    config = SearchConfig(
-        model=w.model, dataset=w.dataset, target=device.name, pricing="measured",
+def search_config(w: Workload, args: Args, folder: Path) -> SearchConfig:
+    """The search of workload ``w``: this machine's device as the target, measured."""
+    return SearchConfig(
+        model=w.model, dataset=w.dataset, target=detect().name, pricing="measured",
         execution=w.execution, precisions=w.precisions, train_shape=w.train_shape,
         train_batch_size=w.batch, train_image_size=w.train_image_size,
         image_size=w.image_size, agent=args.agent, budget=args.budget, mlflow=False,
         out=str(folder / "export.yaml"), pareto_dir=str(folder), steps=2 if args.quick else None,
         storage=f"sqlite:///{folder / 'optuna.db'}",
-        max_samples=w.extra.get("max_samples"),
+        max_samples=w.extra.get("max_samples"), init_weights=w.extra.get("init_weights"),
+        recipe=w.extra.get("recipe", {}),
     )  # fmt: skip
+
+
+def run_workload(w: Workload, args: Args, folder: Path) -> dict[str, Any]:
+    device = detect()
+    config = search_config(w, args, folder)
     said = Said()
     begin = time.perf_counter()
     report = run_search(config, said)

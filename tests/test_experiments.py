@@ -641,3 +641,17 @@ def test_gpu_validate_forwards_the_measured_search():
     dry = gpu.parse_args(gpu.Args, "test", ["--only", "measured", "--dry-run", "--json", "r.json"])
     assert module.forwarded(dry)[:3] == ["--preset", "cpu", "--max-minutes"]
     assert "--quick" in module.forwarded(dry) and module.forwarded(dry)[-2:] == ["--json", "r.json"]
+
+
+def test_measured_search_gpu_workloads_are_valid_searches(tmp_path):
+    """The GPU preset's searches (not run here) pass the search's own checks, and their named
+    shapes and checkpoint exist."""
+    module = _load_script("measured_search")
+    args = module.parse_args(module.Args, "test", ["--preset", "gpu"])
+    names = []
+    for w in module.workloads(args):
+        config = module.search_config(w, args, tmp_path)
+        assert config.pricing == "measured" and config.execution == w.execution
+        assert config.init_weights is None or Path(config.init_weights).exists()
+        names.append(config.train_shape or config.model)
+    assert names == ["llama3-8b", "llama3.2-1b", "resnet50"]
