@@ -22,10 +22,12 @@ seconds with an empty one (a new user's first run), so :class:`Kernel` decides p
 - **No per-call dynamo overhead**: once built, the graph's compiled code is called directly
   (:class:`_Direct`) for inputs like the build's (dtypes, devices, 1-D contiguous flats, the
   same thread count), checked in a few attribute reads instead of dynamo's frame hook and guard
-  tree (tens of microseconds a call, more than the kernel itself on a small tensor). Any other
-  input goes through ``torch._dynamo.run`` as above, and so does every input where the build
-  could not be mapped onto the kernel's arguments (the graph's inputs are read from dynamo's
-  graph metadata) or the direct call did not reproduce dynamo's result bit for bit.
+  tree (tens of microseconds a call, more than the kernel itself on a small tensor), and
+  below AOT autograd's wrappers too (inductor's own entry point, a few microseconds more: a
+  training step rounds about 130 tensors). Any other input goes through ``torch._dynamo.run``
+  as above, and so does every input where the build could not be mapped onto the kernel's
+  arguments (the graph's inputs are read from dynamo's graph metadata) or the direct call did
+  not reproduce dynamo's result bit for bit.
 
 Both paths give the same bits; ``AUTOPREC_COMPILE=0`` forces eager, ``AUTOPREC_COMPILE=1``
 compiles at the first call regardless of pay-off and budget. If compiling fails (no C++
@@ -126,14 +128,16 @@ _PLACEHOLDER = re.compile(r"L\['args'\]\[(\d+)\](\.size\(\)\[0\])?")
 
 @dataclass
 class _Direct:
-    """A built graph's compiled code, called without dynamo: ``call(*pick(args))`` returns the
+    """A built graph's compiled code, called without dynamo: ``call(pick(args))`` returns the
     graph's tensors, which ``rebuild`` puts back in the kernel's output structure. Valid for
     arguments like the build's (``signature``: dtype, device and, for a flat, None, else the
     shape) under the thread count it was built for (inductor sizes its reduction buffers by it).
+    ``call`` takes one list (inductor's boxed convention: it empties the list), and ``pick``
+    builds a new one each call.
     """
 
-    call: Callable
-    pick: Callable[[tuple], tuple]
+    call: Callable[[list], Any]
+    pick: Callable[[tuple], list]
     rebuild: Callable[[list], Any]
     signature: tuple[tuple[torch.dtype, torch.device, torch.Size | None], ...]
     threads: int
@@ -153,7 +157,7 @@ class _Direct:
         return True
 
     def __call__(self, args: tuple) -> Any:
-        return self.rebuild(list(self.call(*self.pick(args))))
+        return self.rebuild(list(self.call(self.pick(args))))
 
 
 def _capturing(captured: list) -> Callable:
@@ -182,6 +186,32 @@ def _capturing(captured: list) -> Callable:
     return backend
 
 
+def _inductor_entries(compiled: Callable, depth: int = 12) -> list:
+    """Inductor's compiled graphs (``OutputCode``) below AOT autograd's callable, found through
+    its wrappers (``__wrapped__`` and closures; built from a cache or not alike)."""
+    from torch._inductor.output_code import OutputCode
+
+    found, seen, todo = [], set(), [(compiled, 0)]
+    while todo:
+        obj, level = todo.pop()
+        if id(obj) in seen or level > depth:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, OutputCode):
+            found.append(obj)
+            continue
+        kids = [getattr(obj, "__wrapped__", None)]
+        for cell in getattr(obj, "__closure__", None) or ():
+            try:
+                kids.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                continue
+        if isinstance(obj, list | tuple):
+            kids.extend(obj)
+        todo.extend((kid, level + 1) for kid in kids if callable(kid) or isinstance(kid, list))
+    return found
+
+
 def _same_bits(a: Any, b: Any) -> bool:
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
         return False
@@ -193,11 +223,12 @@ def _same_bits(a: Any, b: Any) -> bool:
 def _direct(captured: list, args: tuple, flats: int, out: Any) -> _Direct | None:
     """The direct call of the one graph dynamo built, if its inputs are all kernel arguments or
     flat lengths (one per flat) and it reproduces ``out``, dynamo's result, bit for bit; else
-    None (the graph then always runs through dynamo)."""
+    None (the graph then always runs through dynamo). Inductor's own entry point is called
+    where it reproduces ``out`` too, else AOT autograd's."""
     if len(captured) != 1:
         return None
-    compiled, sources = captured[0]
     picks, lengths = [], set()
+    compiled, sources = captured[0]
     for source in sources:
         match = _PLACEHOLDER.fullmatch(source)
         if match is None:
@@ -208,14 +239,10 @@ def _direct(captured: list, args: tuple, flats: int, out: Any) -> _Direct | None
         picks.append(f"a[{index}].shape[0]" if length else f"a[{index}]")
     if lengths != set(range(flats)):  # a length shared by two flats would not be general
         return None
-    pick = eval(f"lambda a: ({', '.join(picks)},)")  # noqa: S307 -- built from the regex above
+    pick = eval(f"lambda a: [{', '.join(picks)}]")  # noqa: S307 -- built from the regex above
     leaves, spec = pytree.tree_flatten(out)
-    try:
-        with torch.no_grad():
-            got = list(compiled(*pick(args)))
-    except Exception:
-        return None
-    if len(got) != len(leaves) or not all(map(_same_bits, got, leaves)):
+    call = next((c for c in _calls(compiled) if _reproduces(c, pick(args), leaves, args)), None)
+    if call is None:
         return None
     signature = tuple(
         (a.dtype, a.device, None if i < flats else a.shape) for i, a in enumerate(args)
@@ -224,7 +251,36 @@ def _direct(captured: list, args: tuple, flats: int, out: Any) -> _Direct | None
         rebuild: Callable[[list], Any] = tuple
     else:
         rebuild = functools.partial(pytree.tree_unflatten, treespec=spec)
-    return _Direct(compiled, pick, rebuild, signature, torch.get_num_threads())
+    return _Direct(call, pick, rebuild, signature, torch.get_num_threads())
+
+
+def _calls(compiled: Callable) -> Iterator[Callable[[list], Any]]:
+    """The ways to call a built graph with one list, fastest first: inductor's compiled graph
+    (what its ``OutputCode`` calls, after any post-compile wrapping), then AOT autograd's."""
+    try:
+        entries = _inductor_entries(compiled)
+    except Exception:  # another torch's internals: AOT autograd's call still works
+        entries = []
+    if len(entries) == 1 and callable(getattr(entries[0], "current_callable", None)):
+        yield entries[0].current_callable
+
+    def aot(a: list) -> Any:
+        with torch.no_grad():  # as the graph was built
+            return compiled(*a)
+
+    yield aot
+
+
+def _reproduces(call: Callable[[list], Any], picked: list, leaves: list, args: tuple) -> bool:
+    """Whether ``call(picked)`` returns ``leaves``' bits in fresh tensors (none an input)."""
+    try:
+        with torch.no_grad():
+            got = list(call(picked))
+    except Exception:
+        return False
+    inputs = {a.data_ptr() for a in args if isinstance(a, torch.Tensor)}
+    fresh = all(isinstance(g, torch.Tensor) and g.data_ptr() not in inputs for g in got)
+    return fresh and len(got) == len(leaves) and all(map(_same_bits, got, leaves))
 
 
 def _flagged(fn: Callable) -> Callable:
@@ -266,10 +322,25 @@ class Kernel:
             eager: runs the kernel eagerly (same bits), for when the graph does not run.
             backend: ``"auto"``, ``"eager"`` or ``"compiled"`` (compile now; errors raise).
         """
-        if not torch._C._len_torch_function_stack():  # the common case, without a with
-            return self._run(flats, (*flats, *constants), eager, backend)
+        args = (*flats, *constants)
+        stats = self.stats.get(flats[0].device.type)
+        direct = None if stats is None else stats.direct
+        if (  # the common case first: a built graph and an input like the build's
+            direct is not None
+            and backend != "eager"
+            and direct.accepts(args)
+            and not torch.compiler.is_compiling()
+            and compile_setting() != "0"
+        ):
+            stats.compiled_calls += 1
+            if not torch._C._len_torch_function_stack():  # without a with
+                return direct(args)
+            with outside_function_modes():
+                return direct(args)
+        if not torch._C._len_torch_function_stack():
+            return self._run(flats, args, eager, backend)
         with outside_function_modes():
-            return self._run(flats, (*flats, *constants), eager, backend)
+            return self._run(flats, args, eager, backend)
 
     def _run(self, flats: tuple, args: tuple, eager: Callable[[], Any], backend: str) -> Any:
         flat = flats[0]
@@ -283,13 +354,6 @@ class Kernel:
         if stats.graph is None and (forced or self._pays(stats, setting)):
             return self._build(stats, flats, args, eager, strict=backend == "compiled")
         if stats.graph is not None and setting != "0":
-            direct = stats.direct
-            if direct is not None and direct.accepts(args):
-                stats.compiled_calls += 1
-                if torch.is_grad_enabled():
-                    with torch.no_grad():
-                        return direct(args)
-                return direct(args)
             if torch.is_grad_enabled():
                 with torch.no_grad():
                     out, compiled = stats.graph(*args)

@@ -366,7 +366,7 @@ class DynamicScaledCast(_Counts):
         """Zero the counters."""
         self._overflows: Tensor | int = 0
         self._underflows: Tensor | int = 0
-        self._fused: Tensor | None = None  # [overflows, underflows] of the compiled round trips
+        self._fused: Tensor | list[int] | None = None  # the compiled round trips' counts
         self._numel = 0
 
     @property
@@ -419,12 +419,8 @@ class DynamicScaledCast(_Counts):
         one compiled graph once that pays (:mod:`.dispatch`): one pass for the amax, one for
         the rest; other settings, and the eager path, take the two steps. Same bits either way.
         """
-        if (
-            self.axis is not None
-            or self.power_of_two
-            or self.rounding != "nearest"
-            or x.numel() > GRAPH_MAX_NUMEL
-        ):
+        two_step = self.axis is not None or self.power_of_two or self.rounding != "nearest"
+        if two_step or x.numel() > GRAPH_MAX_NUMEL:
             return self(x).dequantize()
         x32 = x.detach().float()
         eager = lambda: (self(x32).dequantize(), None)  # noqa: E731
@@ -436,7 +432,10 @@ class DynamicScaledCast(_Counts):
             out, counts = _ROUND_TRIP.run((x32.reshape(-1),), constants, eager, backend)
         if counts is not None:  # the eager path counted already
             self._numel += x32.numel()
-            if self.count:  # one small operation a call: the pair, summed in place
+            if self.count and counts.device.type == "cpu":  # read back at once: free there
+                pair, fused = counts.tolist(), self._fused or [0, 0]
+                self._fused = [fused[0] + pair[0], fused[1] + pair[1]]
+            elif self.count:  # one small operation a call: the pair, summed in place
                 self._fused = counts.long() if self._fused is None else self._fused.add_(counts)
         return shaped(out, x32.shape)
 

@@ -74,7 +74,8 @@ class _Cast:
         self.scaled = DynamicScaledCast(fmt, count=count) if scaled else None
         self.count = count
         self.fresh_only = fresh_only
-        self._counts: Tensor | None = None  # [overflows, underflows], on the tensors' device
+        self._counts: Tensor | None = None  # [overflows, underflows], on an accelerator
+        self._host = [0, 0]  # the same, of CPU tensors: read back at once (free there)
 
     def __call__(self, x: Tensor) -> Tensor:
         x = x.detach()
@@ -83,22 +84,29 @@ class _Cast:
         if not self.count:
             return quantize(x, self.fmt)
         rounded, counts = quantize_counted(x, self.fmt)  # counted in the one kernel
-        if self.fresh_only and (x.device.type != "cpu" or counts.tolist()[0]):
-            # the fused count includes every non-finite value that arrived (its result is not
-            # finite either); on the CPU, where reading a count back is free, look for them
-            # only when something overflowed
+        # the fused count includes every non-finite value that arrived (its result is not
+        # finite either): a fresh-only stream takes them off
+        if x.device.type == "cpu":  # look for them only when something overflowed
+            over, under = counts.tolist()
+            if over and self.fresh_only:
+                over -= int((~torch.isfinite(x)).sum())
+            self._host[0] += over
+            self._host[1] += under
+            return rounded
+        if self.fresh_only:
             arrived = (~torch.isfinite(x)).sum()
             counts = counts - torch.stack((arrived, torch.zeros_like(arrived)))
-        # summed in place: one small operation a call
+        # summed in place, on the device: one small operation a call, no synchronisation
         self._counts = counts.long() if self._counts is None else self._counts.add_(counts)
         return rounded
 
     def counts(self) -> tuple[int, int]:
         if self.scaled is not None:
             return self.scaled.overflows, self.scaled.underflows
-        if self._counts is None:
-            return 0, 0
-        over, under = self._counts.tolist()
+        over, under = self._host
+        if self._counts is not None:
+            device_over, device_under = self._counts.tolist()
+            over, under = over + device_over, under + device_under
         return over, under
 
 
