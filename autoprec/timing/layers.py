@@ -30,10 +30,9 @@ import torch
 from torch import nn
 
 from autoprec._clock import Clock, median_seconds
-from autoprec._text import excerpt
 from autoprec.cache import digest
 from autoprec.precision import Precision, parse_precision
-from autoprec.timing.step import check_execution, materialize
+from autoprec.timing.step import check_execution, failure, materialize
 from autoprec.timing.store import TimingStore
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -265,8 +264,7 @@ class LayerTimings:
                 cast_out = self._cast(site.output, dtype, torch.float32, clock)
             return {"alone_s": alone, "cast_in_s": cast_in, "cast_out_s": cast_out}
         except Exception as err:  # noqa: BLE001 - one layer that cannot run alone is noted
-            first = (str(err).strip().splitlines() or [""])[0]
-            return {"error": f"{type(err).__name__}: {excerpt(first, 160, quote=False)}"}
+            return {"error": failure(err)}
         finally:
             if self.torch_device.type == "cuda":
                 torch.cuda.empty_cache()

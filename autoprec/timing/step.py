@@ -120,6 +120,15 @@ def memory_format_for(spec: ModelSpec) -> str:
     return "channels_last" if convolutional else "contiguous"
 
 
+def failure(err: BaseException) -> str:
+    """One line saying why a timed program failed: the exception's type and its first line
+    (with the next one when the first only introduces it, as ``torch.compile``'s
+    ``backend='inductor' raised:`` does)."""
+    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    text = " ".join(lines[:2]) if lines and lines[0].endswith(":") else (lines or [""])[0]
+    return f"{type(err).__name__}: {excerpt(text, 200, quote=False)}"
+
+
 def materialize(module: nn.Module, device: torch.device | str) -> nn.Module:
     """A copy of ``module`` on ``device``. A module on the ``meta`` device (a production shape
     built without weights) gets seeded small random weights (normal, std 0.02; 1-d weights 1,
@@ -201,8 +210,7 @@ class _Runner:
         if isinstance(err, torch.cuda.OutOfMemoryError):
             self.error = f"out of memory at batch {self.how.batch_size}"
         else:
-            first = (str(err).strip().splitlines() or [""])[0]
-            self.error = f"{type(err).__name__}: {excerpt(first, 160, quote=False)}"
+            self.error = failure(err)
         self.close()
 
     def resident(self) -> int:
@@ -339,8 +347,7 @@ def time_steps(
     except torch.cuda.OutOfMemoryError:
         error = f"out of memory at batch {batch_size}"
     except Exception as err:  # noqa: BLE001 - the batch itself: every row fails alike
-        first = (str(err).strip().splitlines() or [""])[0]
-        error = f"{type(err).__name__}: {excerpt(first, 160, quote=False)}"
+        error = failure(err)
     finally:
         for runner in runners:
             runner.close()

@@ -26,7 +26,7 @@ HEAD = "autoprec_policy: 1\ndefault: bf16\n"
 JSON_HEAD = '{"autoprec_policy": 1, "default": "bf16", '
 DEEP = 10_000
 LONG = 100_000  # characters of a value that must not come back in the message
-MAX_MESSAGE = 600  # characters: a path, a line, a short excerpt, a hint (or the valid keys)
+MAX_MESSAGE = 700  # characters: a path, a line, a short excerpt, a hint (or the 36 valid keys)
 
 
 def billion_laughs() -> str:
