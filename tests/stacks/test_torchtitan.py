@@ -102,7 +102,7 @@ def test_mxfp8_uses_the_mx_converter_and_a_uniform_policy_no_converter(tiny):
     assert config == {"training": {"mixed_precision_param": "float32"}}
 
 
-def test_torchtitans_own_parser_and_converter_train_the_policy(tiny, tmp_path, monkeypatch):
+def test_torchtitans_own_parser_and_converter_train_the_policy(tiny, tmp_path):
     # torchtitan 0.2 (the last that reads a TOML job config) installs without its data and
     # logging dependencies; its float8 converter runs on a CPU with `emulate`, which only lifts
     # its sm89 check when a recipe is named (the config is from_recipe_name's)
@@ -113,23 +113,24 @@ def test_torchtitans_own_parser_and_converter_train_the_policy(tiny, tmp_path, m
     from torchtitan.distributed import ParallelDims
     from torchtitan.protocols.model_converter import build_model_converters
 
-    # the rowwise converter sets an inductor switch for the process: put it back after
-    monkeypatch.setattr(inductor, "emulate_precision_casts", inductor.emulate_precision_casts)
-    names = tiny.names()
-    policy = PrecisionPolicy(
-        default="fp8_rowwise", layers={"output": "bf16", **{n: "bf16" for n in names if "wv" in n}}
-    )
-    path = tmp_path / "job.toml"
-    path.write_text(torchtitan_export(tiny.copy(), policy).toml("best_policy.yaml"))
-    job = ConfigManager().parse_args(
-        ["--job.config_file", str(path), "--quantize.linear.float8.emulate"]
-    )
-    assert job.training.mixed_precision_param == "bfloat16"
-    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
-    model = tiny.copy()
-    build_model_converters(job, dims).convert(model)
-    check_stack(model, policy, torch.bfloat16)
-    reference = tiny.copy()
-    export = apply_torchao(reference, policy)
-    context = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
-    assert tiny.train(model, context) == tiny.train(reference, lambda: export.autocast("cpu"))
+    # the rowwise converter sets an inductor switch for the process: inductor's own patch puts
+    # it back after (monkeypatch's undo deleted the entry from the config module, so that every
+    # later compile failed: "emulate_precision_casts does not exist")
+    with inductor.patch(emulate_precision_casts=inductor.emulate_precision_casts):
+        names = tiny.names()
+        kept = {"output": "bf16", **{n: "bf16" for n in names if "wv" in n}}
+        policy = PrecisionPolicy(default="fp8_rowwise", layers=kept)
+        path = tmp_path / "job.toml"
+        path.write_text(torchtitan_export(tiny.copy(), policy).toml("best_policy.yaml"))
+        job = ConfigManager().parse_args(
+            ["--job.config_file", str(path), "--quantize.linear.float8.emulate"]
+        )
+        assert job.training.mixed_precision_param == "bfloat16"
+        dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
+        model = tiny.copy()
+        build_model_converters(job, dims).convert(model)
+        check_stack(model, policy, torch.bfloat16)
+        reference = tiny.copy()
+        export = apply_torchao(reference, policy)
+        context = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
+        assert tiny.train(model, context) == tiny.train(reference, lambda: export.autocast("cpu"))
