@@ -57,7 +57,7 @@ def test_the_search_measures_on_the_target_and_the_export_says_so(tmp_path):
     assert f"autoprec hardware calibrate --from {steps}" in said
     # a second search on this machine times no layer again: the table is kept
     again = Lines()
-    run_search(_config(out="q.yaml", seed=1), again)
+    run_search(_config(out="q.yaml", seed=1, budget=1), again)
     assert "0 layer timings all stored from an earlier search" in "\n".join(again.lines)
     assert len(read_measurements(steps)[1]) > len(rows)  # added to, not replaced
     assert main(["hardware", "calibrate", "--from", str(steps), "--output", "cal.json"]) == 0
