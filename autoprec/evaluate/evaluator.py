@@ -370,10 +370,10 @@ class Evaluator:
         return self._costs.measure(choices, progress)
 
     def time_steps(self, policies: Iterable[Any]) -> list[Any]:
-        """Each policy's whole training step on this machine's device, as production runs it,
-        side by side (:class:`~autoprec.timing.StepTiming` each; measured pricing only, else
-        empty).
-        Worker processes are stopped first: a timing shares the device with nothing."""
+        """Each policy's whole training step on this machine's device, as production runs it
+        (:func:`~autoprec.timing.time_steps`: side by side on the CPU, one at a time on a GPU;
+        a :class:`~autoprec.timing.StepTiming` each; measured pricing only, else empty). Worker
+        processes are stopped first: a timing shares the device with nothing."""
         if not self.measured:
             return []
         self.stop_workers()
