@@ -179,15 +179,41 @@ def run_workload(w: Workload, args: Args, folder: Path) -> dict[str, Any]:
             "execution": t.execution,
             "error": t.error,
             "layers": _mix(policy, export),
+            "program": _program(policy, spec),
         })  # fmt: skip
+    layers = layer_ratios(w, report.config)
     checks = args.table_check if args.table_check >= 0 else (6 if args.preset == "cpu" else 0)
     table = table_check(w, report.config, checks) if checks else None
     return {
         "workload": w.name, "device": device.name, "batch": batch, "tokens": w.tokens,
         "search_s": searched_s, "rows": rows, "verdict": verdict(rows), "table": table,
+        "layers": layers,
         "provenance": {k: v for k, v in export.provenance.items() if k.startswith("measured_")},
         "phases": dict(report.phase_times),
     }  # fmt: skip
+
+
+def layer_ratios(w: Workload, config: SearchConfig) -> dict[str, list[float]]:
+    """From the per-layer table the search measured: per precision, each unique layer's time
+    alone over its fp32 time (sorted)."""
+    from autoprec.precision import parse_precision
+    from autoprec.timing import LayerTimings
+
+    load = Load(w.model, config.dataset, train_shape=w.train_shape,
+                train_image_size=w.train_image_size).resolved()  # fmt: skip
+    spec = production_spec(training_spec(load), load.model, load.num_classes, load.train_shape,
+                           load.train_image_size)  # fmt: skip
+    from autoprec.timing.step import memory_format_for
+
+    table = LayerTimings(spec, config.train_batch_size, detect().name, _torch_device(),
+                         w.execution, memory_format_for(spec))  # fmt: skip
+    out: dict[str, list[float]] = {}
+    for p in (parse_precision(x) for x in config.precisions.split(",")):
+        if p.value == "fp32":
+            continue
+        ratios = [table.alone(s.names[0], p) / table.alone(s.names[0], "fp32") for s in table.sites]
+        out[p.value] = sorted(r for r in ratios if r == r)
+    return out
 
 
 def table_check(w: Workload, config: SearchConfig, n: int) -> dict[str, Any]:
@@ -237,12 +263,26 @@ def _mix(policy: Any, export: Any) -> str:
     return f"default {default}" + (f"; {shown}" if shown else "")
 
 
+def _program(policy: Any, spec: Any) -> str:
+    """Each layer's precision and the loss scaling: two policies with one program run alike."""
+    precisions = {n: p.value for n, p in policy.resolve(spec.module).items()}
+    scaling = policy.loss_scaling
+    return json.dumps([precisions, None if scaling is None else str(scaling)], sort_keys=True)
+
+
 def verdict(rows: list[dict[str, Any]]) -> str:
     ok = [r for r in rows if r["error"] is None]
     export = next((r for r in ok if r["arm"] == "export"), None)
     others = [r for r in ok if r["arm"] != "export"]
     if export is None or not others:
         return "not compared (a row failed)"
+    same = [r["arm"] for r in others if r["program"] == export["program"]]
+    if same:  # one program timed twice: their difference is this run's noise
+        twin = next(r for r in others if r["arm"] == same[0])
+        return (
+            f"the same program as {same[0]} (every layer's precision), timed twice in this run: "
+            f"{export['step_s'] * 1e3:.1f} against {twin['step_s'] * 1e3:.1f} ms, the run's noise"
+        )
     best = min(others, key=lambda r: r["step_s"])
     spreads = [x for x in (export["spread"], best["spread"]) if x == x]  # not NaN
     noise = max(spreads, default=0.0) / 2  # half the interquartile range
@@ -278,6 +318,14 @@ def report_text(results: list[dict[str, Any]], args: Args) -> str:
         prov = ", ".join(f"{k.removeprefix('measured_')} {v}" for k, v in r["provenance"].items())
         parts.append(f"\nVerdict: the export is {r['verdict']}. Search {r['search_s']:.0f} s; "
                      f"the export's provenance: {prov}.\n")  # fmt: skip
+        for p, ratios in (r.get("layers") or {}).items():
+            if ratios:
+                faster = sum(x < 1 for x in ratios)
+                parts.append(
+                    f"\nThe per-layer table: {p} faster than fp32 alone on {faster} of "
+                    f"{len(ratios)} unique layers; its time over fp32's {ratios[0]:.2f}x to "
+                    f"{ratios[-1]:.2f}x (median {statistics.median(ratios):.2f}x).\n"
+                )
         if r.get("table"):
             t = r["table"]
             parts.append(
