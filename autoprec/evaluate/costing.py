@@ -123,8 +123,16 @@ class CostEstimator:
 
     def estimate(self, precisions: Mapping[str, Precision]) -> tuple[float, int]:
         """Step time (s) and memory (bytes) of ``{layer: precision}``, unrunnable layers fp32."""
+        return self.price(self.runnable(precisions))
+
+    def runnable(self, precisions: Mapping[str, Precision]) -> dict[str, Precision]:
+        """``precisions`` with the layers the target cannot run (:meth:`unrunnable`) at fp32:
+        the program that is priced."""
         bad = self.unrunnable(precisions)
-        runnable = {n: (Precision.FP32 if n in bad else p) for n, p in precisions.items()}
+        return {n: (Precision.FP32 if n in bad else p) for n, p in precisions.items()}
+
+    def price(self, runnable: Mapping[str, Precision]) -> tuple[float, int]:
+        """Step time (s) and memory (bytes) of a map :meth:`runnable` returned."""
         est = self.model.step(
             self.cost_table(), runnable, batch_size=self.batch_size, execution=self.execution
         )

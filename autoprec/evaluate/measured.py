@@ -182,12 +182,9 @@ class MeasuredCosts:
     def estimate(self, precisions: Mapping[str, Precision]) -> tuple[float, int]:
         """Step time from the per-layer table and memory (see the module docstring);
         unrunnable layers fp32."""
-        bad = self.model.unrunnable(precisions)
-        runnable = {n: (Precision.FP32 if n in bad else p) for n, p in precisions.items()}
+        runnable = self.model.runnable(precisions)
         table = self.layers
-        missing = table.missing({n: [p] for n, p in runnable.items()})
-        if missing:  # a precision the search did not announce: measured now
-            table.measure({n: [p] for n, p in runnable.items()})
+        table.measure({n: [p] for n, p in runnable.items()})  # one the search did not announce
         seconds = self.fp32_step.step_s
         for name, p in runnable.items():
             if p == Precision.FP32 or name not in table.site_of:
@@ -231,8 +228,8 @@ class MeasuredCosts:
                     users.setdefault(s, []).append(row.name)
         return {"sources": sources, "users": {k: tuple(v) for k, v in users.items()}}
 
-    def _memory(self, precisions: Mapping[str, Precision]) -> int:
-        memory = self.model.estimate(precisions)[1]
+    def _memory(self, runnable: Mapping[str, Precision]) -> int:
+        memory = self.model.price(runnable)[1]
         measured = self.fp32_step.memory_bytes
         if measured:
             memory = int(memory * measured / max(self.model.fp32[1], 1))
