@@ -17,6 +17,7 @@ from autoprec._periodic import Progress
 if TYPE_CHECKING:  # pragma: no cover
     from autoprec.agents.base import SearchCallback
     from autoprec.pipeline.config import SearchConfig
+    from autoprec.pipeline.eta import Remaining
     from autoprec.sensitivities.budget import SensitivityPlan
     from autoprec.verify import VerifyConfig
 
@@ -29,6 +30,12 @@ class SearchCallbacks:
     def line(self, text: str) -> None:
         """One line of what the search found or decided (rich console markup: ``[yellow]``,
         paths escaped)."""
+
+    def remaining(self, remaining: Remaining) -> None:
+        """Called once as the search starts with the estimate of its whole remaining time,
+        which the search keeps up to date as it runs: ask ``remaining.estimate()`` whenever
+        something is drawn (from any thread), e.g. in :meth:`phase_done` (see
+        :mod:`autoprec.pipeline.eta`)."""
 
     def phase_done(self, name: str, seconds: float) -> None:
         """Phase ``name`` ended; ``seconds``: its time so far (a phase may run twice)."""

@@ -3,8 +3,9 @@
 Phases: check the outputs, build the model and data, the fp32 warm start and reference
 (cached), the per-layer sensitivities (cached), MLflow tracking, the agent's search, the
 comparisons with the target's AMP and the hand-written rules, export, and (``verify``) the
-verification of the exported policy. What happens is told through :class:`SearchCallbacks`;
-what was found comes back as a :class:`SearchReport`.
+verification of the exported policy. What happens is told through :class:`SearchCallbacks`,
+with the estimate of the time left in all (:class:`~autoprec.pipeline.eta.Remaining`, fed here
+as each part starts, reports and ends); what was found comes back as a :class:`SearchReport`.
 
 A ``KeyboardInterrupt`` during the set-up or the search (Ctrl-C; SIGTERM too where the caller's
 ``interruptible`` turns it into one) exports what was found so far; running the same search
@@ -38,6 +39,7 @@ from autoprec.pipeline.config import (
     SearchConfig,
     SearchSetupError,
 )
+from autoprec.pipeline.eta import Remaining
 from autoprec.pipeline.evaluations import comparisons, prefetch_comparisons, start_workers
 from autoprec.pipeline.export import Exporter, Found
 from autoprec.pipeline.report import Comparison, SearchReport
@@ -91,6 +93,7 @@ class _Run:
         self.verify_status = 0
         self.policy: PrecisionPolicy | None = None  # the best policy as exported
         self.measured: dict[str, Any] = {}  # what the finalists' timings were, for provenance
+        self.eta = Remaining()  # the time left in all, told to the callbacks as it starts
 
     def main(self) -> SearchReport:
         try:
@@ -105,6 +108,7 @@ class _Run:
 
     def _main(self) -> SearchReport:
         start = time.perf_counter()
+        self.tell.remaining(self.eta)
         self._check_output()
         with self.tell.interruptible():
             try:
@@ -171,8 +175,10 @@ class _Run:
     @contextlib.contextmanager
     def _phase(self, name: str, draws_progress: bool = False) -> Iterator[None]:
         begin = time.perf_counter()
+        self.eta.begin(name)
         with contextlib.nullcontext() if draws_progress else self.tell.working(name):
             yield
+        self.eta.end(name)
         self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - begin
         self.tell.phase_done(name, self.phases[name])
 
@@ -255,27 +261,67 @@ class _Run:
             reward = self._reward_for_length(workload, cost_spec)
         # a model with no layer to tune is refused here, before the warm start
         problem = Problem(evaluator, fidelity=c.fidelity, reward=reward, precisions=precisions)
+        rules = self._expect(problem)
         if evaluator.measured:  # before any worker process shares the device
             from autoprec.pipeline.measured import measure_layers
 
             with self._phase("per-layer timings", draws_progress=True):
                 measure_layers(problem, self.tell)
+        eta = self.eta
         with self._phase("warm start and fp32 reference", draws_progress=True):
+            eta.begin("warm start")
             with self.tell.stage_progress("warm start") as (progress, _):
-                evaluator.warm_start_state(progress)  # its steps and time left, if it trains
+                # its steps and time left, if it trains
+                evaluator.warm_start_state(eta.steps("warm start", progress))
+            eta.end("warm start")
+            if c.verify:  # the verification's steps at the warm start's pace, if it trained
+                verify = self._verify_config(evaluator)  # the policy's arm and the others'
+                runs = (1 + len(verify.arms)) * len(verify.seeds)
+                eta.expect_steps("verification", runs * verify.steps)
             with self.tell.working("fp32 reference"):
-                evaluator.reference()
-        self.evaluator = evaluator  # its workers are stopped when the search ends
-        self.at_once = start_workers(evaluator, c.workers, self.tell.line)
+                one = evaluator.reference().wall_time_s
+            eta.end("fp32 reference")
+            self.evaluator = evaluator  # its workers are stopped when the search ends
+            self.at_once = start_workers(evaluator, c.workers, self.tell.line)
+            self._expect_evaluations(one, rules)  # known as the phase ends
         prefetch_comparisons(problem)  # the workers run them while the sensitivities are measured
         with self._phase("sensitivity", draws_progress=True):
             with self.tell.stage_progress("sensitivity") as (progress, on_plan):
+                on_plan = eta.plan("sensitivity", on_plan)
                 evaluator.surrogate(progress=progress, on_plan=on_plan)
         self.device = device
         self.problem = problem
         pareto = Path(c.pareto_dir) if c.pareto_dir else None
         self.exporter = Exporter(self.tell.line, spec, device, Path(c.out), pareto)
         return problem, self._agent_kwargs()
+
+    def _expect(self, problem: Problem) -> int:
+        """The parts of the estimate still to come (:mod:`autoprec.pipeline.eta`), each
+        unknown until predicted; returns how many hand rules will be compared."""
+        from autoprec.agents.hand_rules import hand_rule_policies
+
+        measured = problem.evaluator.measured
+        rules = len(hand_rule_policies(problem))
+        parts = [
+            *(["per-layer timings"] if measured else []),
+            "warm start",
+            "fp32 reference",
+            "sensitivity",
+            "search",
+            "AMP comparison",
+            *(["hand rules"] if rules else []),
+            *(["measured finalists"] if measured else []),
+            *(["verification"] if self.c.verify else []),
+        ]
+        self.eta.expect(*parts)
+        return rules
+
+    def _expect_evaluations(self, one: float, rules: int) -> None:
+        """The search and the comparisons (AMP and ``rules`` hand rules) predicted from one
+        evaluation's ``one`` seconds (the fp32 reference's) at :attr:`at_once` side by side."""
+        self.eta.expect_search(self.c.budget, one, self.at_once)
+        self.eta.predict("AMP comparison", one / self.at_once)
+        self.eta.predict("hand rules", rules * one / self.at_once)
 
     def _reward_for_length(self, workload: Workload, cost_spec: ModelSpec) -> RewardConfig:
         """The reward at ``train_tokens``' accuracy weight (Chinchilla's price of a loss increase
@@ -325,6 +371,7 @@ class _Run:
             tracking.append(self.tracker)
         begin = time.perf_counter()
         one = problem.evaluator.reference().wall_time_s  # cached: an evaluation's time
+        self.eta.begin("search")
         with self.tell.search_progress(self.c.budget, one, self.at_once) as shown:
             result = search(
                 problem,
@@ -336,12 +383,15 @@ class _Run:
                 **agent_kwargs,
             )
         self.latest = result
+        self.eta.end("search")
         self.phases["search"] = time.perf_counter() - begin
         return result
 
     def on_trial(self, trial: Trial, result: SearchResult) -> None:
-        """A search callback: keeps the newest result (what an interrupted search exports)."""
+        """A search callback: keeps the newest result (what an interrupted search exports) and
+        tells the estimate how many real evaluations finished."""
         self.latest = result
+        self.eta.evaluated(len(result.real_trials))
 
     def _start_tracking(self) -> None:
         """Open the MLflow parent run (a failure turns tracking off with one line)."""
@@ -405,16 +455,17 @@ class _Run:
         rate the warm start learnt at (the recipe's unless it backed off); 0, or the exit
         status of an interrupted verification."""
         with self._phase("verification", draws_progress=True):  # each run's progress line
-            return self.tell.verify(policy_path, self.c, self._verify_config())
+            verify = self._verify_config(self.problem.evaluator)
+            return self.tell.verify(policy_path, self.c, verify)
 
-    def _verify_config(self) -> VerifyConfig:
+    def _verify_config(self, evaluator: Evaluator) -> VerifyConfig:
         """The :class:`~autoprec.verify.VerifyConfig` of ``verify=True``: its small
         defaults, at the rate the warm start learnt at (a rate fp32 learns at from fresh
         weights), at the shape the search trained at, with the search's seed, data and
         tolerance."""
         from autoprec.verify import VerifyConfig
 
-        c, evaluator = self.c, self.problem.evaluator
+        c = self.c
         shape = evaluator.spec.input_shape
         return VerifyConfig(
             recipe=dataclasses.replace(evaluator.config.recipe, lr=evaluator.warm_start_lr),
