@@ -24,7 +24,7 @@ from autoprec.cli._setup import evaluator_options, model_options
 from autoprec.cli.interrupt import terminate_as_interrupt
 from autoprec.cli.recipe_options import recipe_options
 from autoprec.cli.search_config import config_from, merge_config
-from autoprec.cli.search_progress import Progress, console, working
+from autoprec.cli.search_progress import Progress, also, console, in_all, working
 from autoprec.cli.sensitivity_progress import sensitivity_progress
 from autoprec.defaults import PRICINGS
 from autoprec.pipeline import SearchCallbacks, SearchConfig, SearchExportError, run_search
@@ -42,6 +42,7 @@ from autoprec.policy.fields import EXECUTION_MODES
 
 if TYPE_CHECKING:  # pragma: no cover
     from autoprec.agents.base import SearchCallback
+    from autoprec.pipeline.eta import Remaining
     from autoprec.verify import VerifyConfig
 
 __all__ = ["AGENT_NAMES", "DEFAULT_STORAGE", "SearchExportError", "SearchSetupError", "search"]
@@ -216,28 +217,40 @@ def run(config: SearchConfig) -> int:
 
 class ConsoleCallbacks(SearchCallbacks):
     """A search drawn on stderr: rich's spinners and bars on a terminal, else plain lines
-    (:mod:`autoprec.cli.search_progress`)."""
+    (:mod:`autoprec.cli.search_progress`); each phase's line, spinner, bar and progress line
+    also says how long the whole search has left (``about 2 min 5 s left in all``, ``at
+    least ...`` while a part's time is unknown)."""
 
     def __init__(self) -> None:
         self.console = console()
+        self.left: Remaining | None = None  # the whole search's estimate, once told
+
+    def remaining(self, remaining: Remaining) -> None:
+        self.left = remaining
+
+    def whole(self) -> str:
+        """The whole search's time left in words (:func:`in_all`); ``""`` while unknown."""
+        return in_all(self.left)
 
     def line(self, text: str) -> None:
         self.console.print(text)
 
     def phase_done(self, name: str, seconds: float) -> None:
-        self.console.print(f"{name}: {seconds:.1f} s")
+        self.console.print(f"{name}: {seconds:.1f} s{also(self.whole)}")
 
     def working(self, phase: str) -> contextlib.AbstractContextManager[None]:
-        return working(self.console, phase)
+        return working(self.console, phase, self.whole)
 
     def stage_progress(self, what: str) -> contextlib.AbstractContextManager[Any]:
-        return sensitivity_progress(self.console, what)
+        return sensitivity_progress(self.console, what, self.whole)
 
     @contextlib.contextmanager
     def search_progress(
         self, budget: int, evaluation_s: float | None, at_once: int
     ) -> Iterator[list[SearchCallback]]:
-        with Progress(self.console, budget, lambda result: None, evaluation_s, at_once) as bar:
+        with Progress(
+            self.console, budget, lambda result: None, evaluation_s, at_once, self.whole
+        ) as bar:
             yield [bar]
 
     def interruptible(self) -> contextlib.AbstractContextManager[None]:

@@ -5,9 +5,12 @@ On a terminal (stderr) rich draws a spinner per phase and a live bar for the sea
 rich would draw nothing until the end, so plain lines are printed instead: a search line as
 each real evaluation finishes, and while one runs a line at most every :data:`HEARTBEAT_S`
 seconds saying which evaluation of how many is running, for how long, and about how long the
-rest will take (the pace of the evaluations so far; before the first, the fp32 reference
-run's time). A phase that runs long says it is still working at the same rate. The library
-only reports (search callbacks, ``progress`` callables); the lines are made here.
+rest will take (:func:`~autoprec.pipeline.eta.search_time_left`: the pace of the evaluations so
+far; before the first, the fp32 reference run's time). A phase that runs long says it is still
+working at the same rate. Given the whole search's estimate (:func:`in_all`), the spinners, the
+bar and the lines also say how long the search has left in all. The library only reports
+(search callbacks, ``progress`` callables, :class:`~autoprec.pipeline.eta.Remaining`); the
+lines are made here.
 """
 
 from __future__ import annotations
@@ -18,11 +21,14 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from autoprec.pipeline.eta import search_time_left
+
 if TYPE_CHECKING:  # pragma: no cover
     from rich.console import Console
     from rich.progress import Task
 
     from autoprec.agents.result import SearchResult, Trial
+    from autoprec.pipeline.eta import Remaining
 
 #: Without a terminal, a line at least this often (seconds) while a phase or evaluation runs.
 HEARTBEAT_S = 30.0
@@ -45,6 +51,34 @@ def duration(seconds: float) -> str:
     return f"{s // 3600} h {s % 3600 // 60} min"
 
 
+def in_all(remaining: Remaining | None) -> str:
+    """``about 3 min 5 s left in all`` (``at least ...`` while a part's time is unknown or
+    only a floor), or ``""`` while nothing is known."""
+    estimate = None if remaining is None else remaining.estimate()
+    if estimate is None:
+        return ""
+    return f"{'about' if estimate.known else 'at least'} {duration(estimate.seconds)} left in all"
+
+
+def also(whole: Callable[[], str] | None) -> str:
+    """``, <whole()>`` to end a line's parenthesis with, or ``""`` when it says nothing."""
+    text = "" if whole is None else whole()
+    return f", {text}" if text else ""
+
+
+def whole_column(whole: Callable[[], str] | None) -> Any:
+    """A column of rich's progress bars that shows ``(<whole()>)`` when it says something."""
+    from rich.progress import ProgressColumn
+    from rich.text import Text
+
+    class Whole(ProgressColumn):
+        def render(self, task: Task) -> Text:
+            text = "" if whole is None else whole()
+            return Text(f"({text})" if text else "")
+
+    return Whole()
+
+
 @contextlib.contextmanager
 def heartbeat(
     console: Console, line: Callable[[], str], every: float | None = None
@@ -61,16 +95,25 @@ def heartbeat(
 
 
 @contextlib.contextmanager
-def working(console: Console, what: str) -> Iterator[None]:
+def working(console: Console, what: str, whole: Callable[[], str] | None = None) -> Iterator[None]:
     """A phase that draws no progress of its own: rich's spinner on a terminal, else a line
-    ``<what>: still working (N s)`` every :data:`HEARTBEAT_S` seconds."""
+    ``<what>: still working (N s)`` every :data:`HEARTBEAT_S` seconds; both also say
+    ``whole()`` (e.g. :func:`in_all`'s words) when it says something."""
     if console.is_terminal:
-        with console.status(f"[bold]{what}[/] ..."):
+        from rich.text import Text
+
+        class Status:  # rendered afresh at every refresh of the spinner
+            def __rich__(self) -> Text:
+                text = "" if whole is None else whole()
+                return Text.from_markup(f"[bold]{what}[/] ...") + (f" ({text})" if text else "")
+
+        with console.status(Status()):
             yield
         return
     begin = time.perf_counter()
     with heartbeat(
-        console, lambda: f"{what}: still working ({duration(time.perf_counter() - begin)})"
+        console,
+        lambda: f"{what}: still working ({duration(time.perf_counter() - begin)}{also(whole)})",
     ):
         yield
 
@@ -86,6 +129,8 @@ class Progress:
         evaluation_s: the expected seconds of one evaluation before any finished (the fp32
             reference run's), for the time left; None: unknown until the first.
         at_once: evaluations run side by side (the worker processes), 1 without.
+        whole: the whole search's time left in words (:func:`in_all`), shown beside the
+            search's own (None: not shown).
     """
 
     def __init__(
@@ -95,8 +140,10 @@ class Progress:
         on_result: Callable[[SearchResult], None],
         evaluation_s: float | None = None,
         at_once: int = 1,
+        whole: Callable[[], str] | None = None,
     ) -> None:
         self.console = console
+        self.whole = whole
         self.budget = budget
         self.on_result = on_result
         self.evaluation_s = evaluation_s
@@ -126,27 +173,27 @@ class Progress:
             self._beat.__exit__(*exc)
 
     def time_left(self, now: float) -> float | None:
-        """Seconds left for the evaluations not finished at the pace of those so far (before
-        the first, the expected seconds of one), less what the running one has taken, but at
-        least the pace of those after it; None when nothing tells."""
-        left = self.budget - self.done
-        if self.done:
-            pace = (self.last - self.start) / self.done
-        elif self.evaluation_s is not None:
-            pace = self.evaluation_s / self.at_once
-        else:
-            return None
-        return max(pace * (left - 1), pace * left - (now - self.last), 0.0)
+        """Seconds left for the evaluations not finished at ``now``
+        (:func:`~autoprec.pipeline.eta.search_time_left`); None when nothing tells."""
+        return search_time_left(
+            self.budget,
+            self.done,
+            self.last - self.start,
+            now - self.last,
+            self.evaluation_s,
+            self.at_once,
+        )
 
     def running_line(self) -> str:
         """``search: evaluation 4 of 12 running for 45 s (search 3 min 5 s, about 6 min 0 s
-        left)``."""
+        left, about 8 min 10 s left in all)``."""
         now = time.perf_counter()
         left = self.time_left(now)
         rest = "" if left is None else f", about {duration(left)} left"
         return (
             f"search: evaluation {min(self.done + 1, self.budget)} of {self.budget} running for "
-            f"{duration(now - self.last)} (search {duration(now - self.start)}{rest})"
+            f"{duration(now - self.last)} (search {duration(now - self.start)}{rest}"
+            f"{also(self.whole)})"
         )
 
     def on_trial(self, trial: Trial, result: SearchResult) -> None:
@@ -164,8 +211,8 @@ class Progress:
             left = self.time_left(now)
             rest = "" if left is None or done >= self.budget else f", about {duration(left)} left"
             self.console.print(
-                f"search: {done}/{self.budget} evaluations ({duration(now - self.start)}{rest})"
-                f" · {best}",
+                f"search: {done}/{self.budget} evaluations ({duration(now - self.start)}{rest}"
+                f"{also(self.whole)}) · {best}",
                 highlight=False,
                 soft_wrap=True,
                 markup=False,
@@ -173,7 +220,8 @@ class Progress:
 
 
 def _bar(console: Console, owner: Progress) -> Any:
-    """Rich's live bar of ``owner``: evaluations, elapsed, ``owner``'s time left, best."""
+    """Rich's live bar of ``owner``: evaluations, elapsed, ``owner``'s time left, the whole
+    search's, best."""
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -196,6 +244,7 @@ def _bar(console: Console, owner: Progress) -> Any:
         MofNCompleteColumn(),
         TimeElapsedColumn(),
         TimeLeft(),
+        whole_column(owner.whole),
         TextColumn("{task.fields[best]}", markup=False),
         console=console,
         transient=False,
