@@ -30,17 +30,17 @@ class DamagedStateError(ValueError):
     """A file of weights that does not hold what autoprec saved."""
 
 
-def save_state_atomic(path: Path, state: dict[str, torch.Tensor]) -> bool:
+def save_state_atomic(path: Path, state: dict[str, torch.Tensor], what: str = _WHAT_WARM) -> bool:
     """``torch.save`` to a temporary file next to ``path``, then ``os.replace`` it in place.
 
     A failure to write (a full disk) is a note: the caller keeps ``state`` in memory.
     Returns whether the file was written.
     """
-    return write_entry(path, lambda fh: torch.save(state, fh), binary=True, what=_WHAT_WARM)
+    return write_entry(path, lambda fh: torch.save(state, fh), binary=True, what=what)
 
 
 def load_state(
-    path: Path, like: Mapping[str, torch.Tensor] | None = None
+    path: Path, like: Mapping[str, torch.Tensor] | None = None, what: str = _WHAT_WARM
 ) -> dict[str, torch.Tensor] | None:
     """Weights saved by :func:`save_state_atomic`, on the CPU; None when the file is missing
     or damaged (then it is discarded, with a note).
@@ -50,8 +50,9 @@ def load_state(
         like: the state it must match (e.g. the model's ``state_dict()``): the same names,
             and each tensor of the same shape and dtype, finite where ``like``'s is. None:
             any dict of tensors.
+        what: what the file holds, as a note names it.
     """
-    return read_entry(path, lambda p: _read_state(p, like), _WHAT_WARM)
+    return read_entry(path, lambda p: _read_state(p, like), what)
 
 
 def _read_state(path: Path, like: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:

@@ -40,6 +40,10 @@ FULL_STEPS = 30
 SHORT_REPLICATES = 1
 FULL_REPLICATES = 3
 REPLICATE_SEED_STRIDE = 10_000  # replicate r of seed s fine-tunes on batches of s + r * stride
+# Examples of the training split a fine-tuned policy is scored on, the rest of the split
+# accounted for to first order by one pass shared with the fp32 reference
+# (:mod:`autoprec.evaluate.split_estimate`; docs/benchmarks.md, "Where an evaluation's time goes").
+SCORE_EXAMPLES = 512
 # Fine-tuning under a policy: the recipe's optimizer at a fifth of the warm start's rate (SGD:
 # without momentum). At the warm start's own rate and momentum a few dozen steps are chaotic,
 # so that the batch order, not the precision, decides the loss; at this rate without momentum
@@ -100,6 +104,11 @@ class EvaluatorConfig:
             ``"measured"`` (timed on this machine's device, which must be the target:
             :mod:`autoprec.evaluate.measured`), or ``"auto"``: measured when the target is
             this machine's device, else the model.
+        score_examples: a policy's loss over the training split is its loss over this many
+            of its examples (drawn with the batch seed) plus the first-order account of the
+            rest, from one pass over the whole split at the fp32 reference's weights
+            (:mod:`~autoprec.evaluate.split_estimate`); None, or a split no larger: every
+            example scored.
 
     Raises:
         ValueError: an unknown fidelity or target mode, or a count below 1.
@@ -120,6 +129,7 @@ class EvaluatorConfig:
     target_mode: str = "native"
     execution: str | None = None
     pricing: str = "auto"
+    score_examples: int | None = SCORE_EXAMPLES
 
     def __post_init__(self, batch_size: int | None, lr: float | None) -> None:
         # the aliases join the recipe (checked there): the recipe is their one home
@@ -134,7 +144,7 @@ class EvaluatorConfig:
             )
         if self.pricing not in PRICINGS:
             raise ValueError(f"pricing must be one of {', '.join(PRICINGS)}, got {self.pricing!r}")
-        for name in ("steps", "replicates"):
+        for name in ("steps", "replicates", "score_examples"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -213,4 +223,5 @@ class EvaluatorConfig:
             "batch_seed": self.resolved_batch_seed,
             "cost_batch_size": self.resolved_cost_batch_size,
             "target_mode": self.target_mode,
+            "score_examples": self.score_examples,
         }

@@ -60,6 +60,7 @@ from autoprec.precision import Precision, parse_precision
 SURROGATE_REFERENCE = "short"  # the real fidelity whose fp32 run anchors surrogate predictions
 SURROGATE_BATCHES = 2  # fixed batches of the sensitivity table (one concatenated pass)
 SURROGATE_BATCH_SIZE = 32
+ESTIMATE_FILE = "training-split estimate"  # a note's name of the shared pass's file
 
 
 def _from_config(name: str) -> property:
@@ -171,6 +172,7 @@ class Evaluator:
         self._surrogate: Surrogate | None = None
         self.surrogate_formats: tuple[str, ...] | None = None  # its table's; None: the default
         self._pool: Any = None  # an EvaluationPool while start_workers' workers run
+        self._pool_estimates: frozenset[str] = frozenset()  # fidelities its workers estimate
         self.surrogate_pairs: dict[str, tuple[dict[str, Precision], float]] = {}
         self.runs = 0
 
@@ -247,8 +249,9 @@ class Evaluator:
     def start_workers(self, workers: int) -> str | None:
         """Run the policies given to :meth:`prefetch` in ``workers`` processes, each on
         ``torch.get_num_threads() // workers`` threads (:mod:`autoprec.evaluate.pool`); loads
-        or trains the warm start first. Until :meth:`stop_workers`, a real evaluation of a
-        prefetched policy takes its run from there.
+        or trains the warm start and runs the fp32 reference of the default fidelity first
+        (the workers score with its training-split estimate). Until :meth:`stop_workers`, a
+        real evaluation of a prefetched policy takes its run from there.
 
         Returns:
             None when the workers start, else why not (one line): fewer than 2 asked, or runs
@@ -261,7 +264,9 @@ class Evaluator:
         from autoprec.evaluate.pool import EvaluationPool
 
         self.stop_workers()
+        self.reference()  # the workers' fine-tuner holds its split estimate
         self._pool = EvaluationPool(self._warm, self._tuner, self.mode, workers)
+        self._pool_estimates = frozenset(self._tuner.estimates)
         return None
 
     @property
@@ -277,11 +282,14 @@ class Evaluator:
 
     def prefetch(self, policies: Iterable[Any], fidelity: str | None = None) -> int:
         """Start real evaluations of ``policies`` in the worker processes (nothing without
-        :meth:`start_workers`, at the surrogate fidelity, or for a policy already cached or
-        started); :meth:`evaluate` then waits for them. Returns how many were started."""
+        :meth:`start_workers`, at the surrogate fidelity or one whose training-split estimate
+        the workers lack, or for a policy already cached or started); :meth:`evaluate` then
+        waits for them. Returns how many were started."""
         fid = check_fidelity(fidelity or self.fidelity)
         if self._pool is None or not self._pool.open or fid == "surrogate":
             return 0
+        if self._tuner.estimated() and fid not in self._pool_estimates:
+            return 0  # a worker would score the whole split: not this evaluator's number
         started = 0
         for item in policies:
             policy = PrecisionPolicy.coerce(item)
@@ -416,15 +424,47 @@ class Evaluator:
             self._surrogate.fit(self.surrogate_pairs.values())
 
     def _reference(self, fidelity: str) -> Metrics:
-        """The fp32 reference at ``fidelity``: its own run is its baseline."""
+        """The fp32 reference at ``fidelity``: its own run is its baseline. Its run also
+        measures the pass that estimates every policy's training-split loss at ``fidelity``
+        (:meth:`_split_estimate`)."""
         fp32 = PrecisionPolicy.uniform(Precision.FP32)
         own = Baseline.of_reference_run
-        return self._cache.get(fp32, fidelity, lambda: self._score(fp32, fidelity, own))
+        metrics = self._cache.get(
+            fp32, fidelity, lambda: self._score(fp32, fidelity, own, reference=True)
+        )
+        self._split_estimate(fidelity)
+        return metrics
 
-    def _run(self, policy: PrecisionPolicy, fidelity: str) -> FineTuneRun:
+    def _split_estimate(self, fidelity: str) -> None:
+        """Give the fine-tuner the training split's estimate at ``fidelity`` (when
+        ``config.score_examples`` subsets the split): kept from the reference's run, else
+        loaded from ``scoring/<key>.pt``, else measured by running the reference again (a
+        missing or damaged file; the run is deterministic)."""
+        tuner = self._tuner
+        if fidelity in tuner.estimates or not tuner.estimated():
+            return
+        from autoprec.evaluate._store import load_state
+        from autoprec.evaluate.split_estimate import SplitEstimate
+
+        saved = load_state(self._estimate_path(fidelity), what=ESTIMATE_FILE)
+        estimate = None if saved is None else SplitEstimate.from_state(saved, self.spec.module)
+        if estimate is not None:
+            tuner.estimates[fidelity] = estimate
+        else:  # its run keeps and saves it (a diverged reference raised already)
+            self._run(PrecisionPolicy.uniform(Precision.FP32), fidelity, reference=True)
+
+    def _estimate_path(self, fidelity: str) -> Path:
+        """The file of the training split's estimate at ``fidelity``: named by the fp32
+        reference's evaluation key (every setting that decides it)."""
+        key = self._cache.key(PrecisionPolicy.uniform(Precision.FP32), fidelity)
+        return self.cache_dir / "scoring" / f"{key}.pt"
+
+    def _run(self, policy: PrecisionPolicy, fidelity: str, reference: bool = False) -> FineTuneRun:
         """A fine-tuning run of ``policy`` from the warm start; a policy the target cannot run
-        natively is emulated (it is scored for its accuracy only: it is infeasible)."""
-        if self._pool is not None:
+        natively is emulated (it is scored for its accuracy only: it is infeasible). The
+        ``reference``'s run measures the training split's estimate (``run.split_estimate``),
+        kept by the fine-tuner for the runs that follow."""
+        if self._pool is not None and not reference:
             pooled = self._pool.take(self._cache.key(policy, fidelity))
             if pooled is not None:
                 self.runs += 1
@@ -435,18 +475,28 @@ class Evaluator:
         if mode == "native" and self.unrunnable(policy.resolve(self.spec.module)):
             mode = "emulate"
         self.runs += 1
-        return self._tuner.run(policy, fidelity, state, mode, start, self._warm.lr_scale)
+        run = self._tuner.run(
+            policy, fidelity, state, mode, start, self._warm.lr_scale, measure_split=reference
+        )
+        if run.split_estimate is not None:
+            from autoprec.evaluate._store import save_state_atomic
+
+            path = self._estimate_path(fidelity)
+            save_state_atomic(path, run.split_estimate.to_state(), what=ESTIMATE_FILE)
+            self._tuner.estimates[fidelity] = run.split_estimate
+        return run
 
     def _score(
         self,
         policy: PrecisionPolicy,
         fidelity: str,
         baseline: Callable[[FineTuneRun, tuple[float, int]], Baseline],
+        reference: bool = False,
     ) -> Metrics:
         """Run and score ``policy`` against ``baseline(run, its cost)``: the fixed fp32
-        reference's for a policy, the run's own for the reference itself."""
+        reference's for a policy, the run's own for the ``reference`` itself."""
         precisions = policy.resolve(self.spec.module)
-        run = self._run(policy, fidelity)
+        run = self._run(policy, fidelity, reference)
         cost = self._costs.estimate(precisions)
         against = baseline(run, cost)
         return score_run(

@@ -2,13 +2,15 @@
 
 A run is every replicate of one fidelity: each fine-tunes a fresh copy of the warm start on
 batches of its own, with the policy applied, and is scored with the policy still applied (the
-loss over the whole training split, loss and accuracy on the validation split). Step time and
-peak memory are measured with CUDA events when the evaluator measures (the target is this
-machine's GPU). The steps, the divergence rule (the first inf/NaN loss diverges a fine-tune),
-the timing and the scoring are the one trainer's (:mod:`autoprec.training.trainer`); the
+loss over the whole training split, loss and accuracy on the validation split). The training
+split's loss of a policy is estimated from a subset once the fp32 reference's run has measured
+the pass they share (:mod:`autoprec.evaluate.split_estimate`, ``config.score_examples``). Step
+time and peak memory are measured with CUDA events when the evaluator measures (the target is
+this machine's GPU). The steps, the divergence rule (the first inf/NaN loss diverges a
+fine-tune), the timing and the scoring are the one trainer's (:mod:`autoprec.training.trainer`); the
 optimizer is the recipe's at the fine-tuning rate (:meth:`EvaluatorConfig.finetune_recipe`).
-Nothing here raises for a bad policy: a non-finite loss, an exception in
-training or running out of memory marks the run diverged.
+Nothing here raises for a bad policy: a non-finite loss, an exception in training or running out
+of memory marks the run diverged.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 from torch import nn
 
 from autoprec.evaluate.config import REPLICATE_SEED_STRIDE, EvaluatorConfig
+from autoprec.evaluate.split_estimate import SplitEstimate
 from autoprec.policy import PrecisionPolicy
 from autoprec.runtime import LossScaler, apply_policy
 from autoprec.training.trainer import SCORE_BATCH, Trainer, score_split
@@ -55,6 +58,7 @@ class FineTuneRun:
     diverged: bool = False
     out_of_memory: bool = False
     wall_time_s: float = 0.0
+    split_estimate: SplitEstimate | None = None  # measured by the reference's run
 
 
 class FineTuner:
@@ -65,6 +69,11 @@ class FineTuner:
         data: a DataBundle (``loader``, ``fixed_batches``).
         config: the evaluator's settings (steps, replicates, batch size, rate, seeds).
         measured: run on the local CUDA device and time it (else on the CPU, untimed).
+
+    Attributes:
+        estimates: ``{fidelity: SplitEstimate}``: how a policy's training-split loss is
+            estimated at that fidelity (set by the evaluator from its reference's run; a
+            fidelity without one scores every example).
     """
 
     def __init__(
@@ -75,6 +84,13 @@ class FineTuner:
         self.config = config
         self.measured = measured
         self.device = torch.device("cuda") if measured else torch.device("cpu")
+        self.estimates: dict[str, SplitEstimate] = {}
+
+    def estimated(self) -> bool:
+        """Whether the training split is scored through a subset: ``score_examples`` is set
+        and the split is larger."""
+        examples = self.config.score_examples
+        return examples is not None and len(self.data.split("train")) > examples
 
     def run(
         self,
@@ -84,11 +100,15 @@ class FineTuner:
         mode: str,
         started: float,
         lr_scale: float = 1.0,
+        measure_split: bool = False,
     ) -> FineTuneRun:
         """Every replicate of ``fidelity`` from ``state`` in runtime ``mode``: losses and
         accuracy averaged, counts summed, step times pooled; one diverging replicate makes the
         run diverged. ``started`` (a ``perf_counter`` time) begins the run's wall time;
-        ``lr_scale`` multiplies the fine-tuning rate (the warm start's back-off)."""
+        ``lr_scale`` multiplies the fine-tuning rate (the warm start's back-off).
+        ``measure_split`` (the fp32 reference's run, when :meth:`estimated`): the first
+        replicate's weights take the pass over the whole split that later runs' estimates
+        share (``run.split_estimate``; its loss is that replicate's)."""
         cfg, dev = self.config, self.device
         run = FineTuneRun()
         losses, val_losses, accuracies, times = [], [], [], []
@@ -110,7 +130,8 @@ class FineTuner:
                 times += self._fine_tune(trainer, batches, run)
                 run.loss_scale = scaler.summary()
                 if not run.diverged:
-                    losses.append(self.score_split(model, "train")[0])
+                    losses.append(self._train_loss(model, fidelity, run, measure_split))
+                    measure_split = False  # the first replicate's weights only
                     val_loss, accuracy = self.score_split(model, "val")
                     val_losses.append(val_loss)
                     accuracies.append(accuracy)
@@ -156,6 +177,23 @@ class FineTuner:
                 run.diverged = True
                 break
         return trainer.step_times
+
+    def _train_loss(
+        self, model: nn.Module, fidelity: str, run: FineTuneRun, measure_split: bool
+    ) -> float:
+        """The fine-tuned ``model``'s loss over the training split: measured whole with the
+        shared pass (``measure_split``), estimated from the fidelity's estimate, or scored."""
+        if measure_split and self.estimated():
+            cfg = self.config
+            run.split_estimate = SplitEstimate.measure(
+                model, self.spec, self.data, cfg.score_examples, cfg.resolved_batch_seed,
+                self.device,
+            )  # fmt: skip
+            return run.split_estimate.full_loss
+        estimate = self.estimates.get(fidelity)
+        if estimate is not None:
+            return estimate.loss(model, self.spec, self.data, self.device)
+        return self.score_split(model, "train")[0]
 
     def score_split(self, model: nn.Module, split: str) -> tuple[float, float]:
         """Mean loss and accuracy over ``split``, in eval mode, policy applied

@@ -245,9 +245,10 @@ def score_split(
     *,
     rank: int = 0,
     world: int = 1,
+    index: list[int] | None = None,
 ) -> tuple[float, float]:
-    """Mean loss (per example) and accuracy (per label) of ``model`` over ``split``: the one
-    split scorer of autoprec.
+    """Mean loss (per example) and accuracy (per label) of ``model`` over ``split`` (or its
+    examples ``index``): the one split scorer of autoprec.
 
     In eval mode, whatever policy is applied staying applied; back in train mode after. Under
     DDP (``world > 1``) each process scores every ``world``-th example and the sums are
@@ -255,7 +256,7 @@ def score_split(
     """
     model.eval()
     dataset = data.split(split)
-    index = list(range(rank, len(dataset), world))
+    index = (list(range(len(dataset))) if index is None else index)[rank::world]
     sums = [0.0, 0.0, 0.0, 0.0]  # loss x examples, examples, correct labels, labels
     for start in range(0, len(index), SCORE_BATCH):
         x, y = gather(dataset, index[start : start + SCORE_BATCH])

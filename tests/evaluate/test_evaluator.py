@@ -177,12 +177,14 @@ def test_other_initial_weights_get_their_own_warm_start(spec, data):
 def test_replicates_average_fine_tunes_on_batches_of_their_own(spec, data):
     from autoprec.evaluate.config import REPLICATE_SEED_STRIDE
 
+    # every example scored: a replicate's estimate would share the first one's subset
+    small = SMALL | {"score_examples": None}
     single = [
-        Evaluator(spec, data, TARGET, config=EvaluatorConfig(batch_seed=s, **SMALL)).evaluate("fp8")
+        Evaluator(spec, data, TARGET, config=EvaluatorConfig(batch_seed=s, **small)).evaluate("fp8")
         for s in (0, REPLICATE_SEED_STRIDE)
     ]
     assert single[0].loss != single[1].loss  # another batch order, another score
-    both = Evaluator(spec, data, TARGET, config=EvaluatorConfig(replicates=2, **SMALL))
+    both = Evaluator(spec, data, TARGET, config=EvaluatorConfig(replicates=2, **small))
     m = both.evaluate("fp8")
     assert m.loss == pytest.approx((single[0].loss + single[1].loss) / 2, rel=1e-12)
     assert m.accuracy == pytest.approx((single[0].accuracy + single[1].accuracy) / 2)
