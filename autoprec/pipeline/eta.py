@@ -11,16 +11,17 @@ as something tells, and each part's prediction gives way to nothing left when it
   seconds once planned (a cached table ends at once);
 - **search**: the evaluations not finished at the pace of those so far, before the first at
   the fp32 reference's time (:func:`search_time_left`, the search bar's own estimate);
-- **AMP comparison**, **hand rules**: one evaluation each at the search's first pace (with
-  worker processes they may already have run beside the sensitivities; the estimate then runs
-  high by them until the search ends);
+- **AMP comparison**, **hand rules**: one evaluation each at the search's first pace; with
+  worker processes they start before the sensitivities are measured (:meth:`Remaining.queue`)
+  and count down from then, one after the other;
 - **per-layer timings**, **measured finalists** (a measured search): unknown until they end;
 - **verification**: at least its training steps at the warm start's pace (fp32's; the emulated
   arms step slower, and each run also validates); unknown when the warm start was loaded.
 
-MLflow's bookkeeping and the export are left out (they write files). While any part is unknown
-or only a floor, the estimate is a floor (:attr:`Estimate.known` False); before anything is
-known it is None, never a silent zero.
+MLflow's bookkeeping and the export are left out (they write files). While any part is unknown,
+only a floor, or running past its prediction (nothing left of it, yet not ended), the estimate
+is a floor (:attr:`Estimate.known` False); before anything is known it is None, never a silent
+zero.
 
 Example:
     >>> remaining = Remaining(clock=lambda: 0.0)
@@ -54,8 +55,8 @@ class Estimate:
 
     Attributes:
         seconds: the seconds left of the parts that have a prediction.
-        known: every part still to come has one and none is only a floor; False: at least
-            ``seconds`` are left.
+        known: every part still to come has one, none is only a floor and none runs past
+            it; False: at least ``seconds`` are left.
     """
 
     seconds: float
@@ -77,31 +78,45 @@ def search_time_left(
     first ``evaluation_s / at_once``. The ``running`` seconds since the last one ended are taken
     off, but what is left is at least the pace of the evaluations after the running one.
     """
-    left = budget - done
-    if done:
-        pace = elapsed / done
-    elif evaluation_s is not None:
-        pace = evaluation_s / max(1, at_once)
-    else:
+    pace = _pace(done, elapsed, evaluation_s, at_once)
+    if pace is None:
         return None
+    left = budget - done
     return max(pace * (left - 1), pace * left - running, 0.0)
+
+
+def _pace(done: int, elapsed: float, evaluation_s: float | None, at_once: int) -> float | None:
+    """The seconds of one of a search's evaluations (see :func:`search_time_left`)."""
+    if done:
+        return elapsed / done
+    if evaluation_s is not None:
+        return evaluation_s / max(1, at_once)
+    return None
 
 
 @dataclass
 class _Part:
     """One part still to come: its predicted seconds (None: unknown) as of ``since``, the
-    later of its prediction and its start (None: not started, the whole of it left)."""
+    later of its prediction and its start (None: not started, the whole of it left; a start
+    still to come leaves the whole of it too)."""
 
     seconds: float | None = None
     since: float | None = None
     at_least: bool = False
+    queued: bool = False  # run elsewhere (:meth:`Remaining.queue`): an overrun is not seen
 
     def left(self, now: float) -> float | None:
         if self.seconds is None:
             return None
         if self.since is None:
             return self.seconds
-        return max(self.seconds - (now - self.since), 0.0)
+        return max(self.seconds - max(now - self.since, 0.0), 0.0)
+
+    def overrun(self, now: float) -> bool:
+        """Whether it runs past its prediction, as far as can be seen."""
+        if self.queued or self.seconds is None or self.since is None:
+            return False
+        return now - self.since > self.seconds
 
 
 @dataclass
@@ -121,6 +136,14 @@ class _Search(_Part):
         return search_time_left(
             self.budget, self.done, last - self.since, now - last, self.evaluation_s, self.at_once
         )
+
+    def overrun(self, now: float) -> bool:
+        """Whether the running evaluation has taken longer than the pace."""
+        if self.since is None or self.done >= self.budget:
+            return False
+        last = self.since if self.last is None else self.last
+        pace = _pace(self.done, last - self.since, self.evaluation_s, self.at_once)
+        return pace is not None and now - last > pace
 
 
 class Remaining:
@@ -153,11 +176,25 @@ class Remaining:
                     found.since = self.clock()
 
     def begin(self, part: str) -> None:
-        """``part`` starts: its prediction counts down from now."""
+        """``part`` starts here: its prediction counts down from now (a queued one's from when
+        it was queued, and now an overrun shows)."""
         with self._lock:
             found = (self._parts or {}).get(part)
-            if found is not None and found.since is None:
-                found.since = self.clock()
+            if found is not None:
+                found.since = self.clock() if found.since is None else found.since
+                found.queued = False
+
+    def queue(self, *parts: str) -> None:
+        """``parts`` start now one after the other, beside what the search does meanwhile (the
+        evaluations handed to the worker processes ahead of the search's): each counts down
+        from the predicted end of the one before (an unknown one is left as it is)."""
+        with self._lock:
+            start = self.clock()
+            for name in parts:
+                found = (self._parts or {}).get(name)
+                if found is not None and found.seconds is not None and found.since is None:
+                    found.since, found.queued = start, True
+                    start += found.seconds
 
     def end(self, part: str) -> None:
         """``part`` ended: nothing is left of it (nothing for a part not expected)."""
@@ -231,7 +268,7 @@ class Remaining:
             if self._parts is None:
                 return None
             when = self.clock() if now is None else now
-            lefts = [(part.left(when), part.at_least) for part in self._parts.values()]
+            lefts = [(p.left(when), p.at_least or p.overrun(when)) for p in self._parts.values()]
         seconds = sum(left for left, _ in lefts if left is not None)
         known = all(left is not None and not floor for left, floor in lefts)
         if not known and seconds <= 0.0:

@@ -285,6 +285,8 @@ class _Run:
             self.at_once = start_workers(evaluator, c.workers, self.tell.line)
             self._expect_evaluations(one, rules)  # known as the phase ends
         prefetch_comparisons(problem)  # the workers run them while the sensitivities are measured
+        if self.at_once > 1:
+            eta.queue("AMP comparison", "hand rules")
         with self._phase("sensitivity", draws_progress=True):
             with self.tell.stage_progress("sensitivity") as (progress, on_plan):
                 on_plan = eta.plan("sensitivity", on_plan)

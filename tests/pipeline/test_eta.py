@@ -76,17 +76,23 @@ def test_the_warm_start_is_predicted_from_the_pace_of_its_steps():
     assert remaining.estimate() is None
 
 
-def test_a_prediction_counts_down_from_the_parts_start_and_stops_at_zero():
-    remaining, clock = _remaining("AMP comparison")
+def test_a_prediction_counts_down_from_the_parts_start_and_an_overrun_is_a_floor():
+    remaining, clock = _remaining("AMP comparison", "hand rules")
     remaining.predict("AMP comparison", 10.0)
+    remaining.predict("hand rules", 5.0)
     clock.now = 100.0
-    assert remaining.estimate() == Estimate(10.0, known=True)  # not started: all of it left
+    assert remaining.estimate() == Estimate(15.0, known=True)  # not started: all of it left
     remaining.begin("AMP comparison")
     clock.now = 104.0
-    assert remaining.estimate() == Estimate(6.0, known=True)
-    clock.now = 120.0
-    assert remaining.estimate() == Estimate(0.0, known=True)  # overrun: never negative
+    assert remaining.estimate() == Estimate(11.0, known=True)
+    clock.now = 120.0  # it runs past its prediction: nothing left of it, but not "about"
+    assert remaining.estimate() == Estimate(5.0, known=False)
     remaining.end("AMP comparison")
+    assert remaining.estimate() == Estimate(5.0, known=True)
+    remaining.begin("hand rules")
+    clock.now = 130.0
+    assert remaining.estimate() is None  # overrun, the last part: nothing is known
+    remaining.end("hand rules")
     assert remaining.estimate() == Estimate(0.0, known=True)  # the end: nothing left
 
 
@@ -99,6 +105,23 @@ def test_the_sensitivity_is_the_plans_prediction_from_when_it_was_made():
     assert remaining.estimate() == Estimate(35.0, known=True) and len(seen) == 1
     clock.now = 13.0
     assert remaining.estimate() == Estimate(25.0, known=True)
+
+
+def test_comparisons_handed_to_the_workers_count_down_one_after_the_other():
+    remaining, clock = _remaining("AMP comparison", "hand rules")
+    remaining.predict("AMP comparison", 4.0)
+    remaining.predict("hand rules", 8.0)
+    remaining.queue("AMP comparison", "hand rules")  # the workers start them now
+    clock.now = 3.0
+    assert remaining.estimate() == Estimate(1.0 + 8.0, known=True)
+    clock.now = 6.0
+    # AMP done (the workers do not say when: no overrun seen), 2 s into the rules
+    assert remaining.estimate() == Estimate(6.0, known=True)
+    remaining.end("AMP comparison")
+    remaining.begin("hand rules")  # the phase that waits for them: counting from before
+    assert remaining.estimate() == Estimate(6.0, known=True)
+    clock.now = 20.0  # waited for past the prediction: nothing is known
+    assert remaining.estimate() is None
 
 
 @pytest.mark.parametrize(
@@ -132,9 +155,9 @@ def test_the_search_is_predicted_before_it_starts_and_paced_by_its_evaluations()
     assert remaining.estimate().seconds == pytest.approx(36.0)
     remaining.evaluated(1)  # the same count again (a surrogate trial): nothing new
     clock.now = 70.0
-    assert remaining.estimate().seconds == pytest.approx(28.0)
-    clock.now = 90.0
-    assert remaining.estimate().seconds == pytest.approx(24.0)  # two after the running one
+    assert remaining.estimate() == Estimate(pytest.approx(28.0), known=True)
+    clock.now = 90.0  # the running one takes longer than the pace: at least the two after it
+    assert remaining.estimate() == Estimate(pytest.approx(24.0), known=False)
 
 
 def test_the_verification_is_at_least_its_steps_at_the_warm_starts_pace():
