@@ -53,9 +53,10 @@ def duration(seconds: float) -> str:
 
 def in_all(remaining: Remaining | None) -> str:
     """``about 3 min 5 s left in all`` (``at least ...`` while a part's time is unknown or
-    only a floor), or ``""`` while nothing is known."""
+    only a floor), or ``""`` while nothing is known (a floor under half a second included:
+    ``at least 0 s`` says nothing)."""
     estimate = None if remaining is None else remaining.estimate()
-    if estimate is None:
+    if estimate is None or (not estimate.known and estimate.seconds < 0.5):
         return ""
     return f"{'about' if estimate.known else 'at least'} {duration(estimate.seconds)} left in all"
 
