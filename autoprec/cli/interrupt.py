@@ -1,7 +1,10 @@
 """How the long-running commands take SIGTERM and Ctrl-C.
 
 - :func:`terminate_as_interrupt`: SIGTERM raises ``KeyboardInterrupt`` like Ctrl-C, at once
-  (``autoprec search``: whatever was evaluated so far is exported).
+  (``autoprec search``: whatever was evaluated so far is exported). A raise that lands in a
+  garbage collector's callback is printed as "Exception ignored" and lost (SQLAlchemy's, under
+  Optuna, for one); :func:`raise_if_terminated`, called where the work passes often (each
+  search trial), raises it again.
 - :func:`stop_at_boundary`: SIGTERM and Ctrl-C only ask the work to stop at its next safe
   point (``autoprec train``: the next step boundary, where a checkpoint is whole); a second
   signal raises ``KeyboardInterrupt`` at once, for work that does not reach one.
@@ -16,12 +19,33 @@ import signal
 import threading
 from collections.abc import Iterator
 
-__all__ = ["StopRequest", "on_main_thread", "stop_at_boundary", "terminate_as_interrupt"]
+__all__ = [
+    "StopRequest",
+    "on_main_thread",
+    "raise_if_terminated",
+    "stop_at_boundary",
+    "terminate_as_interrupt",
+]
 
 
 def on_main_thread() -> bool:
     """Whether this is the main thread (the only one that may set signal handlers)."""
     return threading.current_thread() is threading.main_thread()
+
+
+class _Termination:
+    """SIGTERM's handler in :func:`terminate_as_interrupt`: raises ``KeyboardInterrupt`` and
+    remembers that it did, until :func:`raise_if_terminated` has raised it again."""
+
+    def __init__(self) -> None:
+        self.pending = False
+
+    def handle(self, signum: int, frame: object) -> None:
+        self.pending = True
+        raise KeyboardInterrupt
+
+
+_TERMINATION = _Termination()
 
 
 @contextlib.contextmanager
@@ -30,11 +54,21 @@ def terminate_as_interrupt() -> Iterator[None]:
     if not on_main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    previous = signal.signal(signal.SIGTERM, _TERMINATION.handle)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+        _TERMINATION.pending = False
+
+
+def raise_if_terminated() -> None:
+    """Raise ``KeyboardInterrupt`` if a SIGTERM inside :func:`terminate_as_interrupt` raised
+    one that was lost (or not yet re-raised here); once per signal. The first raise, if it was
+    not lost, ends the work before this is reached."""
+    if _TERMINATION.pending:
+        _TERMINATION.pending = False
+        raise KeyboardInterrupt
 
 
 class StopRequest:

@@ -198,7 +198,10 @@ class Progress:
         )
 
     def on_trial(self, trial: Trial, result: SearchResult) -> None:
+        from autoprec.cli.interrupt import raise_if_terminated
+
         self.on_result(result)
+        raise_if_terminated()  # a SIGTERM whose KeyboardInterrupt a library swallowed
         if not trial.real:
             self.surrogate += 1
         done = len(result.real_trials)
