@@ -7,14 +7,24 @@ signal (issue 19, item 3: "profile the phases and take the largest first").
    fine-tuning steps, the scoring), and the scoring alone on the same model (the loss over the
    whole training split, the loss and accuracy over the validation split, batch 256), for fp32
    and emulated bf16.
+   Then the same evaluation with the training split's loss estimated from the smallest of
+   ``--sizes`` of its examples (``EvaluatorConfig(score_examples=N)``,
+   :mod:`autoprec.evaluate.split_estimate`; the shared pass taken at the warm start here, its
+   time the reference's, once per search).
 2. **The training-split loss on its first N examples** (the split is a seeded permutation, so
-   they are a random sample, the same for every policy) instead of all of them: for random
+   they are a random sample, the same for every policy) instead of all of them, and **N
+   examples plus the first-order account of the rest** (the evaluator's estimate: N examples
+   drawn with the batch order's seed, corrected by the pass at that order's fp32 reference's
+   weights): for random
    policies of the search's space (the action masks: each layer over the precisions the target
    runs for it) and the uniform tf32, bf16 and fp16, each evaluated from the same warm start on
    two batch orders, per N: the noise the subset adds (sd over the policies of its loss delta
    minus the whole split's, order 0), the batch-order noise (sd of the difference between the
    two orders' loss deltas, over sqrt 2), the spread between the policies, and the
-   repeatability (Spearman between the two orders' loss deltas).
+   repeatability (Spearman between the two orders' loss deltas). For the estimate, its error
+   split in two (order 0): the weights' part (the estimate of the loss with the policy removed
+   from the scoring pass, against that loss over the whole split) and the rounding part (the
+   policy's rounding in the scoring pass, on the N examples against the whole split).
 
     python experiments/bench_scoring.py --write-docs
     python experiments/bench_scoring.py --quick --docs /tmp/b.md --write-docs   # tinycnn (test)
@@ -39,6 +49,7 @@ from autoprec.agents.base import layer_choices
 from autoprec.data import load_dataset_for
 from autoprec.evaluate import Evaluator, EvaluatorConfig
 from autoprec.evaluate.finetune import SCORE_BATCH, FineTuner
+from autoprec.evaluate.split_estimate import SplitEstimate
 from autoprec.layers import tunable_layers
 from autoprec.models import load_model
 from autoprec.policy import PrecisionPolicy
@@ -65,17 +76,25 @@ def evaluation_parts(args: Args) -> list[list[object]]:
     """Part 1: seconds of a whole evaluation and of its scoring, fp32 and bf16."""
     spec = load_model(args.timing_model, image_size=32)
     data = load_dataset_for(spec, args.dataset, seed=0)
-    tuner = FineTuner(spec, data, EvaluatorConfig(), measured=False)
+    config = EvaluatorConfig()
+    examples = min(args.sizes)
+    tuner = FineTuner(spec, data, config, measured=False)
     state = copy.deepcopy(spec.module.state_dict())
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     rows = []
     try:
+        estimate = SplitEstimate.measure(copy.deepcopy(spec.module), spec, data, examples, seed=0)
         for precision in ("fp32", "bf16"):
             policy = PrecisionPolicy(default=precision)
             start = time.perf_counter()
             tuner.run(policy, "short", state, "emulate", start)
             whole = time.perf_counter() - start
+            tuner.estimates["short"] = estimate
+            start = time.perf_counter()
+            tuner.run(policy, "short", state, "emulate", start)
+            estimated = time.perf_counter() - start
+            tuner.estimates.clear()
             model = copy.deepcopy(spec.module)
             apply_policy(model, policy, mode="emulate")
             scored = []
@@ -87,7 +106,7 @@ def evaluation_parts(args: Args) -> list[list[object]]:
             sizes = [len(data.split(s)) for s in ("train", "val")]
             rows.append(
                 [precision, f"{whole:.1f}", f"{scored[0]:.1f} ({sizes[0]} examples)"]
-                + [f"{scored[1]:.1f} ({sizes[1]} examples)", f"{share:.0%}"]
+                + [f"{scored[1]:.1f} ({sizes[1]} examples)", f"{share:.0%}", f"{estimated:.1f}"]
             )
     finally:
         torch.set_num_threads(threads)
@@ -105,17 +124,32 @@ def per_example_losses(model: torch.nn.Module, data, tuner: FineTuner) -> torch.
 
 
 def subset_noise(args: Args) -> tuple[list[list[object]], int]:
-    """Part 2: per N, the noise components of the loss delta on the split's first N examples."""
+    """Part 2: per N, the noise components of the loss delta on the split's first N examples,
+    and of the N-example estimate."""
     spec = load_model(args.rank_model, image_size=32)
     data = load_dataset_for(spec, args.dataset, seed=0)
     losses: dict[tuple[object, int], torch.Tensor] = {}
+    unrounded: dict[tuple[object, int], torch.Tensor] = {}  # the policy out of the scoring pass
+    first_order: dict[tuple[object, int, int], float] = {}
+    estimates: dict[tuple[int, int], SplitEstimate] = {}
     current: list[tuple[object, int]] = []
     original = FineTuner.score_split
+    total = len(data.split("train"))
+    sizes = [s for s in args.sizes if s < total]
 
     def recording(self: FineTuner, model: torch.nn.Module, split: str) -> tuple[float, float]:
         if split == "train":
             kept = per_example_losses(model, self.data, self)
             losses[current[0]] = kept
+            clean = copy.deepcopy(spec.module)
+            clean.load_state_dict(model.state_dict())
+            unrounded[current[0]] = per_example_losses(clean, self.data, self)
+            what, order = current[0]
+            if what == "fp32":  # the shared pass of each N at this order's reference
+                for n in sizes:
+                    estimates[(n, order)] = SplitEstimate.measure(model, spec, data, n, order)
+            for n in sizes:
+                first_order[(what, order, n)] = estimates[(n, order)].first_order(model)
             return float(kept.mean()), 0.0
         return original(self, model, split)
 
@@ -129,7 +163,7 @@ def subset_noise(args: Args) -> tuple[list[list[object]], int]:
                     data,
                     args.target,
                     cache_dir=f"{folder}/{order}",
-                    config=EvaluatorConfig(batch_seed=order),
+                    config=EvaluatorConfig(batch_seed=order, score_examples=None),
                 )
                 current[:] = [("fp32", order)]
                 ev.reference()
@@ -142,23 +176,53 @@ def subset_noise(args: Args) -> tuple[list[list[object]], int]:
     finally:
         FineTuner.score_split = original  # type: ignore[method-assign]
     count = len(policies)
-    total = len(losses[("fp32", 0)])
 
     def deltas(order: int, n: int) -> np.ndarray:
         ref = float(losses[("fp32", order)][:n].mean())
         return np.array([(float(losses[(i, order)][:n].mean()) - ref) / ref for i in range(count)])
 
+    def estimated(order: int, n: int) -> np.ndarray:
+        est = estimates[(n, order)]
+        ref = est.full_loss  # the reference's estimate is its whole-split loss
+        index = torch.tensor(est.index)
+
+        def loss(i: object) -> float:
+            kept = float(losses[(i, order)][index].mean())
+            return kept + est.offset + first_order[(i, order, n)]
+
+        return np.array([(loss(i) - ref) / ref for i in range(count)])
+
+    def parts(n: int) -> tuple[float, float]:
+        """The estimate's error at order 0 split in two: (the weights' part, the rounding
+        part), each an sd over the policies, relative to the reference's loss."""
+        est = estimates[(n, 0)]
+        index = torch.tensor(est.index)
+        ref = est.full_loss
+        weights, rounding = [], []
+        for i in range(count):
+            clean = unrounded[(i, 0)]
+            guess = float(clean[index].mean()) + est.offset + first_order[(i, 0, n)]
+            weights.append((guess - float(clean.mean())) / ref)
+            whole_rounding = float(losses[(i, 0)].mean() - clean.mean())
+            rounding.append((float((losses[(i, 0)] - clean)[index].mean()) - whole_rounding) / ref)
+        return float(np.std(weights)), float(np.std(rounding))
+
     whole = deltas(0, total)
     rows = []
-    for n in [total, *[s for s in args.sizes if s < total]]:
-        first, second = deltas(0, n), deltas(1, n)
+    for n, how in [(total, "all")] + [(n, h) for n in sizes for h in ("first N", "estimate")]:
+        score = estimated if how == "estimate" else deltas
+        first, second = score(0, n), score(1, n)
+        split = [f"{e:.6f}" for e in parts(n)] if how == "estimate" else ["-", "-"]
         rows.append(
             [
                 n,
+                how,
                 f"{np.std(first - whole):.6f}",
+                *split,
                 f"{np.std(first - second) / 2**0.5:.6f}",
                 f"{np.std(first):.6f}",
                 f"{spearmanr(first, second)[0]:.2f}",
+                f"{spearmanr(first, whole)[0]:.2f}",
                 " / ".join(f"{d:+.6f}" for d in first[-len(UNIFORM) :]),
             ]
         )
@@ -185,6 +249,7 @@ def main() -> None:
             "scoring: train split",
             "scoring: val split",
             "scoring share",
+            f"whole evaluation, {min(args.sizes)}-example estimate",
         ],
         parts,
     )
@@ -192,19 +257,28 @@ def main() -> None:
         "\n"
         f"\n2. {args.rank_model}/{args.dataset}: the training-split loss of {count} policies "
         f"({count - len(UNIFORM)} random in the search's space on {args.target}, then uniform "
-        f"{', '.join(UNIFORM)}) on the split's first N examples, from one warm start on two "
-        "batch orders. Added noise: sd of the N-example loss delta minus the whole split's "
-        "(order 0); order noise: sd of the two orders' difference over sqrt 2; spread: sd of "
-        "the loss deltas over the policies (order 0); repeatability: Spearman between the "
-        "orders.\n\n"
+        f"{', '.join(UNIFORM)}) scored on the split's first N examples, or estimated from N "
+        "examples drawn with the order's seed and the first-order account of the rest (the "
+        "evaluator's `score_examples`), from one warm start on two batch orders. Added noise: "
+        "sd of the loss delta minus the whole split's (order 0), for the estimate also split "
+        "into its weights' part (the policy taken out of the scoring pass, the estimate "
+        "against the whole split) and its rounding part (the policy's rounding in the scoring "
+        "pass, on the N examples against the whole split); order noise: sd of the two "
+        "orders' difference over sqrt 2; spread: sd of the loss deltas over the policies "
+        "(order 0); repeatability: Spearman between the orders; against all: Spearman with "
+        "the whole split's (order 0).\n\n"
     )
     body += md_table(
         [
             "N examples",
+            "scored",
             "added noise (sd)",
+            "of it: weights (sd)",
+            "of it: rounding (sd)",
             "order noise (sd)",
             "spread (sd)",
             "repeatability",
+            "against all",
             f"loss delta of uniform {' / '.join(UNIFORM)}",
         ],
         noise,

@@ -40,10 +40,13 @@ FULL_STEPS = 30
 SHORT_REPLICATES = 1
 FULL_REPLICATES = 3
 REPLICATE_SEED_STRIDE = 10_000  # replicate r of seed s fine-tunes on batches of s + r * stride
-# Examples of the training split a fine-tuned policy is scored on, the rest of the split
-# accounted for to first order by one pass shared with the fp32 reference
-# (:mod:`autoprec.evaluate.split_estimate`; docs/benchmarks.md, "Where an evaluation's time goes").
-SCORE_EXAMPLES = 512
+# Examples of the training split a fine-tuned policy is scored on, the rest accounted for to
+# first order by one pass shared with the fp32 reference (:mod:`autoprec.evaluate.split_estimate`);
+# None: every example. Off by default: the weights' part of the estimate is exact to 1e-7, but
+# the policy's rounding in the scoring pass is not first order in the weights, and on 512 or 1,024
+# examples it adds noise as large as the policies' differences (docs/benchmarks.md, "Where an
+# evaluation's time goes").
+SCORE_EXAMPLES = None
 # Fine-tuning under a policy: the recipe's optimizer at a fifth of the warm start's rate (SGD:
 # without momentum). At the warm start's own rate and momentum a few dozen steps are chaotic,
 # so that the batch order, not the precision, decides the loss; at this rate without momentum
@@ -223,5 +226,6 @@ class EvaluatorConfig:
             "batch_seed": self.resolved_batch_seed,
             "cost_batch_size": self.resolved_cost_batch_size,
             "target_mode": self.target_mode,
-            "score_examples": self.score_examples,
+            # only when set: the keys of every example scored stay those made before it
+            **({} if self.score_examples is None else {"score_examples": self.score_examples}),
         }

@@ -2,9 +2,10 @@
 
 A run is every replicate of one fidelity: each fine-tunes a fresh copy of the warm start on
 batches of its own, with the policy applied, and is scored with the policy still applied (the
-loss over the whole training split, loss and accuracy on the validation split). The training
-split's loss of a policy is estimated from a subset once the fp32 reference's run has measured
-the pass they share (:mod:`autoprec.evaluate.split_estimate`, ``config.score_examples``). Step
+loss over the whole training split, loss and accuracy on the validation split). With
+``config.score_examples`` set, the training split's loss of a policy is estimated from a subset
+once the fp32 reference's run has measured the pass they share
+(:mod:`autoprec.evaluate.split_estimate`). Step
 time and peak memory are measured with CUDA events when the evaluator measures (the target is
 this machine's GPU). The steps, the divergence rule (the first inf/NaN loss diverges a
 fine-tune), the timing and the scoring are the one trainer's (:mod:`autoprec.training.trainer`); the

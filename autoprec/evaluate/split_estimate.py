@@ -17,6 +17,13 @@ unbiased over the choice of the subset, and what remains of the subset's noise i
 each example's change that is not first order in the weights (the policy's rounding in the
 scoring pass, curvature): ``experiments/bench_scoring.py`` measures it against the whole split.
 
+What it measured (``experiments/bench_scoring.py``; docs/benchmarks.md, "Where an evaluation's
+time goes"): on resnet18 the weights' part is exact to about 1e-7 of the loss, but the policy's
+rounding in the scoring pass, which moves every example's loss a little and their mean by the
+policy's whole effect, is not first order in the weights, and its mean over 512 or 1,024 examples
+strays from the whole split's by as much as the policies differ. So the evaluator scores every
+example unless ``EvaluatorConfig.score_examples`` asks for the estimate.
+
 BatchNorm's running statistics are weights too (a policy's fine-tune moves them), but autograd
 has no derivative for them; in eval mode they follow from the affine ones:
 ``dL/dmean = -gamma s dL/dbeta`` and ``dL/dvar = -gamma s^2 dL/dgamma / 2``, with
