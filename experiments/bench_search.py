@@ -68,7 +68,7 @@ def describe_policy(path: Path, model: str) -> list[str]:
 #: The child process: one search through the library, its report's phase times, result lines
 #: and warnings as JSON on stdout.
 CHILD = """
-import json, sys, warnings
+import json, sys, time, warnings
 from rich.text import Text
 import autoprec
 from autoprec.pipeline import SearchCallbacks
@@ -76,24 +76,39 @@ from autoprec.pipeline import SearchCallbacks
 class Lines(SearchCallbacks):
     def __init__(self):
         self.lines = []
+        self.ends = []  # (phase, seconds since the start, the estimate of what is left)
+        self.start = time.perf_counter()
+        self.left = None
 
     def line(self, text):
         self.lines.append(Text.from_markup(text).plain)
+
+    def remaining(self, remaining):
+        self.left = remaining
+
+    def phase_done(self, name, seconds):
+        guess = None if self.left is None else self.left.estimate()
+        told = None if guess is None else [guess.seconds, guess.known]
+        self.ends.append([name, time.perf_counter() - self.start, told])
 
 told = Lines()
 with warnings.catch_warnings(record=True) as caught:
     report = autoprec.search(autoprec.SearchConfig(**json.loads(sys.argv[1])), told)
 said = ["autoprec: warning: " + " ".join(str(w.message).split()) for w in caught]
-json.dump({"phases": report.phase_times, "lines": said + told.lines}, sys.stdout)
+ended = time.perf_counter() - told.start
+json.dump(
+    {"phases": report.phase_times, "lines": said + told.lines, "ends": told.ends, "ended": ended},
+    sys.stdout,
+)
 """
 
 
 def run_search(
     work: Path, model: str, settings: dict, inductor: Path
-) -> tuple[float, dict[str, float], list[str]]:
-    """``(wall seconds, phase times, result lines)`` of ``autoprec.search`` of ``model`` with
-    ``settings`` in a fresh process in ``work``, with ``work/cache`` as its cache folder; exits
-    with a one-line message if it fails."""
+) -> tuple[float, dict[str, float], list[str], list[str]]:
+    """``(wall seconds, phase times, result lines, estimate rows)`` of ``autoprec.search`` of
+    ``model`` with ``settings`` in a fresh process in ``work``, with ``work/cache`` as its cache
+    folder (the rows: :func:`estimate_rows`); exits with a one-line message if it fails."""
     env = {
         **os.environ,
         "AUTOPREC_CACHE_DIR": str(work / "cache"),
@@ -108,7 +123,18 @@ def run_search(
     if proc.returncode != 0:
         raise SystemExit(f"the search {config} failed with status {proc.returncode}; log in {work}")
     report = json.loads(proc.stdout)
-    return wall, report["phases"], report["lines"]
+    return wall, report["phases"], report["lines"], estimate_rows(report["ends"], report["ended"])
+
+
+def estimate_rows(ends: list, ended: float) -> list[str]:
+    """Markdown rows: at each phase's end, the search's estimate of its remaining time
+    (``SearchCallbacks.remaining``, what the command prints as "left in all") against the time
+    that was in fact left until the search returned."""
+    rows = []
+    for name, at, told in ends:
+        said = "-" if told is None else f"{'' if told[1] else 'at least '}{told[0]:.0f}"
+        rows.append(f"| {name} | {at:.0f} | {said} | {ended - at:.0f} |")
+    return rows
 
 
 def workers_side_by_side(first: Path, model: str, inductor: Path) -> list[str]:
@@ -123,7 +149,7 @@ def workers_side_by_side(first: Path, model: str, inductor: Path) -> list[str]:
             work / "cache",
             ignore=shutil.ignore_patterns("evaluations.sqlite*", "agents"),
         )
-        wall, times, _ = run_search(work, model, settings, inductor)
+        wall, times, _, _ = run_search(work, model, settings, inductor)
         runs[label] = (wall, times)
         print(f"{label}: {wall:.0f} s", flush=True)
     names = list(next(iter(runs.values()))[1])
@@ -156,7 +182,7 @@ def main() -> None:
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="autoprec-search-bench-"))
     inductor = work / "inductor"
-    wall, times, lines = run_search(work, args.model, {}, inductor)
+    wall, times, lines, estimates = run_search(work, args.model, {}, inductor)
     print("\n".join(lines))
     rows = [f"| {name} | {sec:.0f} |" for name, sec in times.items()]
     result = [
@@ -195,6 +221,15 @@ def main() -> None:
             "```",
             "",
             *policy_lines,
+            "",
+            "The estimate of the whole search's remaining time as each phase ended (what the "
+            "command prints as 'about N left in all', or 'at least N' while a part is not yet "
+            "known), against the time in fact left until the search returned (seconds; '-': "
+            "nothing known yet):",
+            "",
+            "| phase ended | at | estimated left | in fact left |",
+            "|---|---:|---:|---:|",
+            *estimates,
             "",
             *workers_side_by_side(work, args.model, inductor),
         ]

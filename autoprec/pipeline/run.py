@@ -387,6 +387,7 @@ class _Run:
         self.latest = result
         self.eta.end("search")
         self.phases["search"] = time.perf_counter() - begin
+        self.tell.phase_done("search", self.phases["search"])
         return result
 
     def on_trial(self, trial: Trial, result: SearchResult) -> None:
