@@ -35,6 +35,7 @@ Example:
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -268,6 +269,14 @@ class Evaluator:
         self._pool = EvaluationPool(self._warm, self._tuner, self.mode, workers)
         self._pool_estimates = frozenset(self._tuner.estimates)
         return None
+
+    def worker_evaluation_s(self) -> float | None:
+        """The median wall time of the runs the worker processes finished so far (the
+        comparisons handed to them before the search, among others): what one evaluation
+        takes side by side with the others, which the fp32 reference's run on every thread
+        does not tell. None without workers or before any finished."""
+        times = [] if self._pool is None else self._pool.run_seconds()
+        return statistics.median(times) if times else None
 
     @property
     def worker_threads(self) -> int:

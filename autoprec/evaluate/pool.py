@@ -141,6 +141,7 @@ class EvaluationPool:
             with contextlib.suppress(AttributeError):
                 self._executor._start_executor_manager_thread()
         self._futures: dict[str, Future] = {}
+        self._taken_s: list[float] = []  # the wall seconds of the runs taken so far
 
     @property
     def open(self) -> bool:
@@ -172,7 +173,9 @@ class EvaluationPool:
         if future is None:
             return None
         try:
-            return future.result()
+            run = future.result()
+            self._taken_s.append(run.wall_time_s)
+            return run
         except BrokenProcessPool as err:
             self._broken(err)
         except Exception as err:  # noqa: BLE001 - the evaluator runs it itself
@@ -182,6 +185,16 @@ class EvaluationPool:
                 stacklevel=3,
             )
         return None
+
+    def run_seconds(self) -> list[float]:
+        """The wall seconds of every run the workers finished, taken or not (each on a
+        worker's share of the threads, beside the others)."""
+        finished = [
+            f.result().wall_time_s
+            for f in self._futures.values()
+            if f.done() and not f.cancelled() and f.exception() is None
+        ]
+        return self._taken_s + finished
 
     def close(self) -> None:
         """Stop the workers now: idle ones exit, queued runs are dropped, running ones are

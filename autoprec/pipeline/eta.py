@@ -242,13 +242,18 @@ class Remaining:
 
         return on_plan
 
-    def expect_search(self, budget: int, evaluation_s: float | None, at_once: int = 1) -> None:
+    def expect_search(
+        self, budget: int, evaluation_s: float | None, at_once: int = 1, *, at_least: bool = False
+    ) -> None:
         """The part named ``search``: ``budget`` evaluations, ``evaluation_s`` seconds each
-        expected before the first ends, ``at_once`` side by side (:func:`search_time_left`)."""
+        expected before the first ends, ``at_once`` side by side (:func:`search_time_left`);
+        ``at_least``: ``evaluation_s`` is only a floor (a run on every thread, where the
+        search's run side by side on a share of them)."""
         with self._lock:
             if self._parts is not None and "search" in self._parts:
                 self._parts["search"] = _Search(
                     since=self._parts["search"].since,
+                    at_least=at_least,
                     budget=budget,
                     evaluation_s=evaluation_s,
                     at_once=at_once,
@@ -260,6 +265,7 @@ class Remaining:
             found = (self._parts or {}).get("search")
             if isinstance(found, _Search) and done != found.done:
                 found.done, found.last = done, self.clock()
+                found.at_least = False  # the pace is the search's own from now on
 
     def estimate(self, now: float | None = None) -> Estimate | None:
         """The time left at ``now`` (default: the clock's now); None while nothing is known

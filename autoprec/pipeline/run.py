@@ -320,10 +320,13 @@ class _Run:
 
     def _expect_evaluations(self, one: float, rules: int) -> None:
         """The search and the comparisons (AMP and ``rules`` hand rules) predicted from one
-        evaluation's ``one`` seconds (the fp32 reference's) at :attr:`at_once` side by side."""
-        self.eta.expect_search(self.c.budget, one, self.at_once)
-        self.eta.predict("AMP comparison", one / self.at_once)
-        self.eta.predict("hand rules", rules * one / self.at_once)
+        evaluation's ``one`` seconds (the fp32 reference's) at :attr:`at_once` side by side:
+        with workers only a floor (the reference ran on every thread, a worker runs on its
+        share), until a worker's run is timed (:meth:`_search`)."""
+        floor = self.at_once > 1
+        self.eta.expect_search(self.c.budget, one, self.at_once, at_least=floor)
+        self.eta.predict("AMP comparison", one / self.at_once, at_least=floor)
+        self.eta.predict("hand rules", rules * one / self.at_once, at_least=floor)
 
     def _reward_for_length(self, workload: Workload, cost_spec: ModelSpec) -> RewardConfig:
         """The reward at ``train_tokens``' accuracy weight (Chinchilla's price of a loss increase
@@ -372,7 +375,12 @@ class _Run:
             self._start_tracking()
             tracking.append(self.tracker)
         begin = time.perf_counter()
-        one = problem.evaluator.reference().wall_time_s  # cached: an evaluation's time
+        # an evaluation's time: a worker's (the comparisons ran there), else the reference's
+        timed = problem.evaluator.worker_evaluation_s()
+        one = timed or problem.evaluator.reference().wall_time_s  # (cached)
+        self.eta.expect_search(
+            self.c.budget, one, self.at_once, at_least=timed is None and self.at_once > 1
+        )
         self.eta.begin("search")
         with self.tell.search_progress(self.c.budget, one, self.at_once) as shown:
             result = search(

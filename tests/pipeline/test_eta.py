@@ -160,6 +160,18 @@ def test_the_search_is_predicted_before_it_starts_and_paced_by_its_evaluations()
     assert remaining.estimate() == Estimate(pytest.approx(24.0), known=False)
 
 
+def test_a_search_paced_by_a_run_on_every_thread_is_a_floor_until_its_first_evaluation():
+    """With workers, the fp32 reference ran on every thread and the search's runs share
+    them: its time is only a floor of an evaluation's until the search's own pace is known."""
+    remaining, clock = _remaining("search")
+    remaining.expect_search(budget=4, evaluation_s=10.0, at_once=2, at_least=True)
+    assert remaining.estimate() == Estimate(20.0, known=False)
+    remaining.begin("search")
+    clock.now = 15.0
+    remaining.evaluated(1)
+    assert remaining.estimate() == Estimate(pytest.approx(45.0), known=True)
+
+
 def test_the_verification_is_at_least_its_steps_at_the_warm_starts_pace():
     remaining, clock = _remaining("verification")
     remaining.expect_steps("verification", 300)
