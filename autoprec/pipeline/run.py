@@ -291,6 +291,7 @@ class _Run:
             with self.tell.stage_progress("sensitivity") as (progress, on_plan):
                 on_plan = eta.plan("sensitivity", on_plan)
                 evaluator.surrogate(progress=progress, on_plan=on_plan)
+            self._pace_search(evaluator)  # a worker's evaluation timed meanwhile, if any
         self.device = device
         self.problem = problem
         pareto = Path(c.pareto_dir) if c.pareto_dir else None
@@ -320,13 +321,22 @@ class _Run:
 
     def _expect_evaluations(self, one: float, rules: int) -> None:
         """The search and the comparisons (AMP and ``rules`` hand rules) predicted from one
-        evaluation's ``one`` seconds (the fp32 reference's) at :attr:`at_once` side by side:
-        with workers only a floor (the reference ran on every thread, a worker runs on its
-        share), until a worker's run is timed (:meth:`_search`)."""
-        floor = self.at_once > 1
+        evaluation's ``one`` seconds (the fp32 reference's) at :attr:`at_once` side by side;
+        the search's with workers only a floor (the reference ran on every thread, a worker
+        runs on its share) until :meth:`_pace_search`."""
+        self.eta.expect_search(self.c.budget, one, self.at_once, at_least=self.at_once > 1)
+        self.eta.predict("AMP comparison", one / self.at_once)
+        self.eta.predict("hand rules", rules * one / self.at_once)
+
+    def _pace_search(self, evaluator: Evaluator) -> float:
+        """The seconds of one of the search's evaluations: a worker's timed run (the
+        comparisons handed to them), else the fp32 reference's (with workers only a floor);
+        the estimate's search is predicted from it (returned for the search bar)."""
+        timed = evaluator.worker_evaluation_s()
+        one = timed or evaluator.reference().wall_time_s  # (cached)
+        floor = timed is None and self.at_once > 1
         self.eta.expect_search(self.c.budget, one, self.at_once, at_least=floor)
-        self.eta.predict("AMP comparison", one / self.at_once, at_least=floor)
-        self.eta.predict("hand rules", rules * one / self.at_once, at_least=floor)
+        return one
 
     def _reward_for_length(self, workload: Workload, cost_spec: ModelSpec) -> RewardConfig:
         """The reward at ``train_tokens``' accuracy weight (Chinchilla's price of a loss increase
@@ -375,12 +385,7 @@ class _Run:
             self._start_tracking()
             tracking.append(self.tracker)
         begin = time.perf_counter()
-        # an evaluation's time: a worker's (the comparisons ran there), else the reference's
-        timed = problem.evaluator.worker_evaluation_s()
-        one = timed or problem.evaluator.reference().wall_time_s  # (cached)
-        self.eta.expect_search(
-            self.c.budget, one, self.at_once, at_least=timed is None and self.at_once > 1
-        )
+        one = self._pace_search(problem.evaluator)  # a worker's evaluation, if one is timed
         self.eta.begin("search")
         with self.tell.search_progress(self.c.budget, one, self.at_once) as shown:
             result = search(
