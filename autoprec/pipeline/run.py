@@ -279,11 +279,11 @@ class _Run:
                 runs = (1 + len(verify.arms)) * len(verify.seeds)
                 eta.expect_steps("verification", runs * verify.steps)
             with self.tell.working("fp32 reference"):
-                one = evaluator.reference().wall_time_s
+                evaluator.reference()
             eta.end("fp32 reference")
             self.evaluator = evaluator  # its workers are stopped when the search ends
             self.at_once = start_workers(evaluator, c.workers, self.tell.line)
-            self._expect_evaluations(one, rules)  # known as the phase ends
+            self._expect_evaluations(evaluator, rules)  # known as the phase ends
         prefetch_comparisons(problem)  # the workers run them while the sensitivities are measured
         if self.at_once > 1:
             eta.queue("AMP comparison", "hand rules")
@@ -319,12 +319,10 @@ class _Run:
         self.eta.expect(*parts)
         return rules
 
-    def _expect_evaluations(self, one: float, rules: int) -> None:
-        """The search and the comparisons (AMP and ``rules`` hand rules) predicted from one
-        evaluation's ``one`` seconds (the fp32 reference's) at :attr:`at_once` side by side;
-        the search's with workers only a floor (the reference ran on every thread, a worker
-        runs on its share) until :meth:`_pace_search`."""
-        self.eta.expect_search(self.c.budget, one, self.at_once, at_least=self.at_once > 1)
+    def _expect_evaluations(self, evaluator: Evaluator, rules: int) -> None:
+        """The search (:meth:`_pace_search`) and the comparisons (AMP and ``rules`` hand
+        rules) predicted from one evaluation's seconds at :attr:`at_once` side by side."""
+        one = self._pace_search(evaluator)
         self.eta.predict("AMP comparison", one / self.at_once)
         self.eta.predict("hand rules", rules * one / self.at_once)
 
