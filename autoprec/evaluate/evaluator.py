@@ -250,9 +250,10 @@ class Evaluator:
     def start_workers(self, workers: int) -> str | None:
         """Run the policies given to :meth:`prefetch` in ``workers`` processes, each on
         ``torch.get_num_threads() // workers`` threads (:mod:`autoprec.evaluate.pool`); loads
-        or trains the warm start and runs the fp32 reference of the default fidelity first
-        (the workers score with its training-split estimate). Until :meth:`stop_workers`, a
-        real evaluation of a prefetched policy takes its run from there.
+        or trains the warm start first, and with ``config.score_examples`` the fp32 reference
+        of the default fidelity (the workers score with its training-split estimate). Until
+        :meth:`stop_workers`, a real evaluation of a prefetched policy takes its run from
+        there.
 
         Returns:
             None when the workers start, else why not (one line): fewer than 2 asked, or runs
@@ -265,7 +266,8 @@ class Evaluator:
         from autoprec.evaluate.pool import EvaluationPool
 
         self.stop_workers()
-        self.reference()  # the workers' fine-tuner holds its split estimate
+        if self._tuner.estimated():
+            self.reference()  # the workers' fine-tuner holds its split estimate
         self._pool = EvaluationPool(self._warm, self._tuner, self.mode, workers)
         self._pool_estimates = frozenset(self._tuner.estimates)
         return None
