@@ -148,3 +148,20 @@ def test_a_model_with_other_weights_is_scored_on_every_example(spec, data):
     assert estimate.first_order(other) is None
     whole, _ = score_split(copy.deepcopy(other), spec, data, "train")
     assert estimate.loss(other, spec, data) == pytest.approx(whole, rel=1e-6)
+
+
+@pytest.mark.slow
+def test_workers_score_through_the_estimate_as_this_process_does(spec, data, tmp_path):
+    """The worker processes get the reference's pass with the fine-tuner: a policy run there
+    has the loss a run here has (one thread each)."""
+    here = _evaluator(spec, data, tmp_path / "here", 128)
+    want = here.evaluate("bf16").loss
+    pooled = _evaluator(spec, data, tmp_path / "pooled", 128)
+    assert pooled.start_workers(2) is None  # runs the reference (and its pass) first
+    try:
+        assert "short" in pooled._tuner.estimates and pooled.runs == 1
+        assert pooled.prefetch(["bf16"]) == 1
+        assert pooled.evaluate("bf16").loss == want
+        assert pooled.runs == 2
+    finally:
+        pooled.stop_workers()
