@@ -273,10 +273,11 @@ class Evaluator:
         return None
 
     def worker_evaluation_s(self) -> float | None:
-        """The median wall time of the runs the worker processes finished so far (the
+        """The median CPU time of the runs the worker processes finished so far (the
         comparisons handed to them before the search, among others): what one evaluation
-        takes side by side with the others, which the fp32 reference's run on every thread
-        does not tell. None without workers or before any finished."""
+        takes on a worker's share of the threads, which the fp32 reference's run on every
+        thread does not tell (CPU time: the comparisons run beside the sensitivity sweep,
+        which their wall time would count). None without workers or before any finished."""
         times = [] if self._pool is None else self._pool.run_seconds()
         return statistics.median(times) if times else None
 

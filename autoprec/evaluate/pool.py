@@ -93,12 +93,15 @@ def _start_worker(payload: bytes, threads: int, parent: int, kernel: bool) -> No
     _WORKER.update(warm=warm, tuner=tuner, mode=mode)
 
 
-def _run_in_worker(policy: PrecisionPolicy, fidelity: str) -> FineTuneRun:
+def _run_in_worker(policy: PrecisionPolicy, fidelity: str) -> tuple[FineTuneRun, float]:
     """One fine-tuning run in a worker, as :meth:`Evaluator._run` would do it (its wall time
-    counts from when the worker starts it, not from when it was submitted)."""
+    counts from when the worker starts it, not from when it was submitted), and the worker's
+    CPU seconds for it (on its share of the threads: what the run takes when nothing else
+    competes for its cores, whatever else ran beside it)."""
     warm, tuner = _WORKER["warm"], _WORKER["tuner"]
-    started = time.perf_counter()
-    return tuner.run(policy, fidelity, warm.state(), _WORKER["mode"], started, warm.lr_scale)
+    started, cpu = time.perf_counter(), time.process_time()
+    run = tuner.run(policy, fidelity, warm.state(), _WORKER["mode"], started, warm.lr_scale)
+    return run, time.process_time() - cpu
 
 
 class EvaluationPool:
@@ -141,7 +144,7 @@ class EvaluationPool:
             with contextlib.suppress(AttributeError):
                 self._executor._start_executor_manager_thread()
         self._futures: dict[str, Future] = {}
-        self._taken_s: list[float] = []  # the wall seconds of the runs taken so far
+        self._taken_s: list[float] = []  # the CPU seconds of the runs taken so far
 
     @property
     def open(self) -> bool:
@@ -173,8 +176,8 @@ class EvaluationPool:
         if future is None:
             return None
         try:
-            run = future.result()
-            self._taken_s.append(run.wall_time_s)
+            run, cpu_s = future.result()
+            self._taken_s.append(cpu_s)
             return run
         except BrokenProcessPool as err:
             self._broken(err)
@@ -187,10 +190,11 @@ class EvaluationPool:
         return None
 
     def run_seconds(self) -> list[float]:
-        """The wall seconds of every run the workers finished, taken or not (each on a
-        worker's share of the threads, beside the others)."""
+        """The CPU seconds of every run the workers finished, taken or not: each run's time on
+        a worker's share of the threads with its cores to itself (its wall time also counts
+        whatever else shared them, such as the sensitivity sweep beside the comparisons)."""
         finished = [
-            f.result().wall_time_s
+            f.result()[1]
             for f in self._futures.values()
             if f.done() and not f.cancelled() and f.exception() is None
         ]

@@ -35,10 +35,9 @@ def test_workers_give_the_results_a_run_here_gives_and_count_as_runs(spec, data,
         assert pooled.worker_evaluation_s() is None  # none finished
         assert pooled.prefetch(["bf16", "fp8", "bf16"]) == 2  # a repeat is not started again
         got = {p: pooled.evaluate(p) for p in ("bf16", "fp8")}
-        # the workers' own run times (each result's), the runs taken
-        times = [got[p].wall_time_s for p in got]
-        assert min(times) > 0
-        assert pooled.worker_evaluation_s() == pytest.approx(sum(times) / 2)
+        # the workers' CPU time of the runs taken, about their wall time (one thread each)
+        walls = [got[p].wall_time_s for p in got]
+        assert 0 < pooled.worker_evaluation_s() <= 1.5 * max(walls)
         assert pooled.runs == 3  # the reference here, two in the workers
         assert pooled.prefetch(["bf16"]) == 0  # cached now
     finally:
