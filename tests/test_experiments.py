@@ -500,9 +500,15 @@ def test_bench_scoring_quick(tmp_path):
         assert 0 < scored < _num(r["whole evaluation"])  # the scoring is a part of it
         assert r["scoring: train split"].endswith("(3277 examples)")
         assert 0 < _num(r["scoring share"]) < 100
-    whole, subset = noise
+        assert _num(r["whole evaluation, 256-example estimate"]) > 0
+    whole, subset, estimate = noise
     assert (_num(whole["N examples"]), _num(whole["added noise (sd)"])) == (3277, 0.0)
     assert _num(subset["N examples"]) == 256 and _num(subset["added noise (sd)"]) > 0
+    assert [r["scored"] for r in noise] == ["all", "first N", "estimate"]
+    # the estimate's error is the scoring pass's rounding, not the weights' first order
+    weights = _num(estimate["of it: weights (sd)"])
+    rounding = _num(estimate["of it: rounding (sd)"])
+    assert rounding > 0 and weights < 0.1 * rounding
     for r in noise:
         assert _num(r["order noise (sd)"]) > 0 and _num(r["spread (sd)"]) > 0
         assert -1.0 <= _num(r["repeatability"]) <= 1.0
