@@ -61,9 +61,14 @@ def in_all(remaining: Remaining | None) -> str:
     return f"{'about' if estimate.known else 'at least'} {duration(estimate.seconds)} left in all"
 
 
+def _said(whole: Callable[[], str] | None) -> str:
+    """``whole()``, or ``""`` without one."""
+    return "" if whole is None else whole()
+
+
 def also(whole: Callable[[], str] | None) -> str:
     """``, <whole()>`` to end a line's parenthesis with, or ``""`` when it says nothing."""
-    text = "" if whole is None else whole()
+    text = _said(whole)
     return f", {text}" if text else ""
 
 
@@ -74,7 +79,7 @@ def whole_column(whole: Callable[[], str] | None) -> Any:
 
     class Whole(ProgressColumn):
         def render(self, task: Task) -> Text:
-            text = "" if whole is None else whole()
+            text = _said(whole)
             return Text(f"({text})" if text else "")
 
     return Whole()
@@ -105,7 +110,7 @@ def working(console: Console, what: str, whole: Callable[[], str] | None = None)
 
         class Status:  # rendered afresh at every refresh of the spinner
             def __rich__(self) -> Text:
-                text = "" if whole is None else whole()
+                text = _said(whole)
                 return Text.from_markup(f"[bold]{what}[/] ...") + (f" ({text})" if text else "")
 
         with console.status(Status()):

@@ -40,6 +40,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -65,16 +66,22 @@ def subset_index(size: int, examples: int, seed: int) -> list[int]:
     return sorted(torch.randperm(size, generator=gen)[:examples].tolist())
 
 
+def _batchnorms(model: nn.Module) -> Iterator[tuple[str, nn.modules.batchnorm._BatchNorm]]:
+    """``(state-dict prefix, module)`` of each BatchNorm of ``model`` with affine weights and
+    running statistics (those whose statistics are taken to first order)."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.affine:
+            if module.running_mean is not None and module.running_var is not None:
+                yield (f"{name}." if name else ""), module
+
+
 def _weights(model: nn.Module) -> dict[str, torch.Tensor]:
     """The tensors of ``model``'s state that a fine-tune moves and a loss depends on: the
     parameters that train, and BatchNorm's running mean and variance (on the CPU)."""
     out = {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
-    for name, module in model.named_modules():
-        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.affine:
-            if module.running_mean is not None and module.running_var is not None:
-                prefix = f"{name}." if name else ""
-                out[prefix + "running_mean"] = module.running_mean.detach().cpu()
-                out[prefix + "running_var"] = module.running_var.detach().cpu()
+    for prefix, module in _batchnorms(model):
+        out[prefix + "running_mean"] = module.running_mean.detach().cpu()
+        out[prefix + "running_var"] = module.running_var.detach().cpu()
     return out
 
 
@@ -103,12 +110,7 @@ def _gradients(
         model.zero_grad(set_to_none=True)
         model.train()
     grads = {n: s / max(len(index), 1) for n, s in sums.items()}
-    for name, module in model.named_modules():  # BatchNorm's statistics, from its affine ones
-        if not isinstance(module, nn.modules.batchnorm._BatchNorm) or not module.affine:
-            continue
-        if module.running_mean is None or module.running_var is None:
-            continue
-        prefix = f"{name}." if name else ""
+    for prefix, module in _batchnorms(model):  # BatchNorm's statistics, from its affine ones
         gamma = module.weight.detach().cpu().double()
         s = (module.running_var.detach().cpu().double() + module.eps).rsqrt()
         grads[prefix + "running_mean"] = -gamma * s * grads[prefix + "bias"]
